@@ -1,0 +1,147 @@
+"""`speculant bench speed|methods`: argument wiring, model loading and where the reports go.
+
+Tables go to stdout, progress and warnings to stderr, and every run writes JSON (raw values),
+Markdown (the tables) and, for `methods`, a PNG chart into --out. `methods` exits 1 when any method
+produced tokens different from `ar`'s (an exactness failure), after writing its reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from rich.console import Console
+
+from ..engine import METHODS
+from ..errors import SpeculantError
+from ..models.quant import WEIGHT_FORMATS
+from .prompts import DATASETS
+from .speed import DEFAULT_DTYPES, DEFAULT_MODELS, KS, PEERS
+
+DEFAULT_OUT = "bench_out"
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    from ..cli import DEFAULT_DRAFT, _add_model_args
+
+    bench = subparsers.add_parser("bench", help="benchmark model speed or decoding methods")
+    modes = bench.add_subparsers(dest="bench_mode", required=True)
+
+    s = modes.add_parser("speed", help="prefill/decode tok/s, bandwidth use and verification cost per weight format")
+    s.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="presets, .gguf files or HF folders")
+    s.add_argument("--dtypes", nargs="+", choices=WEIGHT_FORMATS, default=list(DEFAULT_DTYPES), help="weight formats")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
+    s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
+    s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
+    s.add_argument("--repeats", type=int, default=5, help="repeats per timing (median reported)")
+    s.add_argument("--ks", type=int, nargs="+", default=list(KS), help="cost-curve batch sizes")
+    s.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measurement")
+    s.add_argument("--against", nargs="+", choices=PEERS, default=[], help="peer engines to measure too")
+    s.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+    m = modes.add_parser("methods", help="end-to-end speed of ar / draft / lookup on HumanEval or Spec-Bench")
+    _add_model_args(m)
+    m.set_defaults(draft=DEFAULT_DRAFT)
+    for action in m._actions:  # the shared --method (one method) does not apply here: --methods does
+        if action.dest == "method":
+            action.help = argparse.SUPPRESS
+    m.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to compare")
+    m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
+    m.add_argument("--categories", nargs="+", default=[], help="Spec-Bench categories (e.g. summarization rag)")
+    m.add_argument("--count", type=int, default=20, help="prompts per category")
+    m.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (fixed)")
+    m.add_argument("--warmup-tokens", type=int, default=8, help="untimed tokens each method generates first")
+    m.add_argument("--specbench-file", default=None,
+                   help="spec_bench_question.jsonl (default: $SPECULANT_SPECBENCH or ../shared/data/)")
+    m.add_argument("--against", nargs="+", choices=("transformers",), default=[], help="peer engines to run too")
+    m.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_mode == "speed":
+        return _speed(args)
+    if args.bench_mode == "methods":
+        return _methods(args)
+    raise SpeculantError(f"unknown bench mode {args.bench_mode!r}; use speed or methods")
+
+
+def _speed(args: argparse.Namespace) -> int:
+    from ..runtime import configure_threads
+    from .report import output_dir, render, stdout_console, write_json, write_markdown
+    from .speed import SpeedConfig
+    from .speed_run import run_speed, speed_tables
+
+    cfg = SpeedConfig(models=tuple(args.models), dtypes=tuple(dict.fromkeys(args.dtypes)), tokens=args.tokens,
+                      cache=args.cache, repeats=args.repeats, ks=tuple(sorted(set(args.ks))),
+                      against=tuple(args.against), bandwidth_gib=args.bandwidth_gib)
+    out = output_dir(args.out)
+    threads = configure_threads(args.threads)
+    err = Console(stderr=True)
+    result = run_speed(cfg, threads=threads, progress=not args.no_progress, err=err)
+    tables = speed_tables(result)
+    console = stdout_console()
+    for t in tables:
+        render(t, console)
+    files = [write_json(out / "speed.json", result.to_dict()),
+             write_markdown(out / "speed.md", tables, "speculant bench speed")]
+    err.print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def _methods(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..cli import load_engine
+    from ..engine import Engine
+    from ..hub import resolve_model
+    from .methods import MethodsConfig, chart_series, methods_tables, run_methods
+    from .peers import TransformersPeers
+    from .prompts import load_prompts
+    from .report import bar_chart, output_dir, render, stdout_console, write_json, write_markdown
+
+    if args.method:
+        raise SpeculantError("bench methods compares several methods: use --methods (e.g. --methods ar draft lookup)")
+    cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens)
+    prompts = load_prompts(args.dataset, args.count, tuple(args.categories), args.specbench_file)
+    out = output_dir(args.out)
+    err = Console(stderr=True)
+
+    need_draft = "draft" in cfg.methods
+    ns = argparse.Namespace(**vars(args))
+    ns.method, ns.draft = ("draft", args.draft) if need_draft else ("ar", None)
+    base = load_engine(ns)
+    engines = {name: Engine(base.target, base.draft if name == "draft" else None,
+                            dataclasses.replace(base.method, name=name)) for name in cfg.methods}
+    peers = None
+    if "transformers" in args.against:
+        with err.status("loading the models in transformers (float32)"):
+            peers = TransformersPeers(resolve_model(args.model), resolve_model(args.draft) if need_draft else None,
+                                      base.tokenizer.eos_id)
+    result = run_methods(engines, prompts, cfg, peers=peers, progress=not args.no_progress, err=err)
+    dl = base.method.draft_length
+    result.info = {
+        "target": args.model, "draft": args.draft if need_draft else None, "dtype": base.target.dtype,
+        "draft_dtype": base.draft.dtype if base.draft is not None else None, "threads": torch.get_num_threads(),
+        "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
+        "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},
+        "min_confidence": base.method.draft_model.min_confidence, "lookup_max_ngram": base.method.lookup.max_ngram,
+    }
+    tables = methods_tables(result)
+    console = stdout_console()
+    for t in tables:
+        render(t, console)
+    files = [write_json(out / "methods.json", result.to_dict()),
+             write_markdown(out / "methods.md", tables, "speculant bench methods")]
+    cats, series = chart_series(result)
+    if series:
+        files.append(bar_chart(out / "methods.png", cats, series, ylabel=f"speedup over {cfg.reference} (tok/s)",
+                               title=f"{Path(args.model).name} on {args.dataset}, {cfg.max_new_tokens} tokens"))
+    err.print("wrote " + ", ".join(str(f) for f in files))
+    bad = result.mismatches
+    if bad:
+        err.print(f"[bold red]EXACTNESS FAILURE: {len(bad)} generation(s) differ from {cfg.reference}[/bold red] "
+                  f"(see records with matches_reference=false in {out / 'methods.json'})")
+        return 1
+    return 0

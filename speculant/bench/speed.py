@@ -1,0 +1,218 @@
+"""`speculant bench speed`: raw model throughput per weight format, and the cost of verification.
+
+Batch-1 decoding reads every weight once per token, so decode speed is bounded by memory
+bandwidth: we report the weight bytes one token reads, the GB/s that implies and its fraction of
+the machine's bandwidth (measured once, as `torch.sum` over a large float32 array with the same
+threads). Speculative decoding pays off only if scoring k tokens costs little more than scoring
+one: the cost curve times one forward over k new tokens on a filled cache (median of repeats,
+rolled back between them). All timings use raw `Transformer.forward` calls, no engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..errors import SpeculantError
+from ..models.quant import WEIGHT_FORMATS
+from ..models.transformer import Transformer
+
+DEFAULT_MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+DEFAULT_DTYPES = ("int8", "float32")
+KS = (1, 2, 4, 8, 16)
+PEERS = ("llama-cpp",)
+WARMUP_STEPS = 4
+
+BENCH_TEXT = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    """Merge two sorted lists into one sorted list in linear time."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+Speculative decoding lets a small, fast model propose several tokens that a large model then
+checks in a single forward pass. Because the large model verifies every proposal, the output is
+exactly what it would have produced alone; only the time it takes changes.
+'''
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedConfig:
+    models: tuple[str, ...] = DEFAULT_MODELS
+    dtypes: tuple[str, ...] = DEFAULT_DTYPES
+    tokens: int = 64  # greedy decode steps timed
+    cache: int = 256  # prompt length of the prefill, and the cache the cost curve scores on
+    repeats: int = 5
+    ks: tuple[int, ...] = KS
+    against: tuple[str, ...] = ()
+    bandwidth_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise SpeculantError("--models needs at least one model")
+        bad = [d for d in self.dtypes if d not in WEIGHT_FORMATS]
+        if bad or not self.dtypes:
+            raise SpeculantError(f"--dtypes must be among {', '.join(WEIGHT_FORMATS)} (got {' '.join(bad) or 'none'})")
+        if self.tokens < 1 or self.cache < 1 or self.repeats < 1:
+            raise SpeculantError("--tokens, --cache and --repeats must be >= 1")
+        if not self.ks or min(self.ks) < 1:
+            raise SpeculantError("cost-curve k values must be >= 1")
+        if not 0.01 <= self.bandwidth_gib <= 64:
+            raise SpeculantError(f"--bandwidth-gib must be in [0.01, 64], got {self.bandwidth_gib}")
+        for p in self.against:
+            if p not in PEERS:
+                raise SpeculantError(f"unknown --against {p!r}; choose {', '.join(PEERS)}")
+
+
+@dataclass(slots=True)
+class SpeedRow:
+    model: str
+    engine: str  # "speculant" or a peer
+    weights: str  # weight format
+    prefill_tps: float
+    decode_tps: float
+    bytes_per_token: int
+    curve_ms: dict[int, float] = field(default_factory=dict)
+    bandwidth_gbps: float = 0.0  # the machine's, for the fraction
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per_token * self.decode_tps / 1e9
+
+    @property
+    def bandwidth_fraction(self) -> float | None:
+        return self.gbps / self.bandwidth_gbps if self.bandwidth_gbps > 0 else None
+
+    def curve_ratio(self, k: int) -> float | None:
+        base = self.curve_ms.get(1)
+        return self.curve_ms[k] / base if base and k in self.curve_ms else None
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d.update(gbps=self.gbps, bandwidth_fraction=self.bandwidth_fraction,
+                 curve_ratio={k: self.curve_ratio(k) for k in self.curve_ms})
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Fidelity:
+    model: str
+    positions: int
+    max_abs_logit_diff: float
+    top1_agreement: float  # fraction of positions whose argmax agrees
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: `torch.sum` over a gib-GiB float32 array (current torch threads)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)  # touched, so pages are resident
+    x.sum()
+    sec = _median_seconds(x.sum, repeats)
+    return x.numel() * 4 / sec / 1e9
+
+
+def bench_ids(encode: Callable[[str], list[int]], n: int) -> list[int]:
+    """n token ids of the fixed benchmark text (repeated as needed)."""
+    base = encode(BENCH_TEXT)
+    if not base:
+        raise SpeculantError("the tokenizer returned no tokens for the benchmark text")
+    return (base * (n // len(base) + 1))[:n]
+
+
+def prefill_tps(model: Transformer, ids: Sequence[int], repeats: int = 3) -> float:
+    """Prompt tokens per second of one forward over all of `ids` (last row's logits only)."""
+    cache = model.new_cache(len(ids))
+    x = torch.tensor(list(ids), device=model.device)
+
+    def run() -> None:
+        cache.rollback(0)
+        model(x, cache, logit_rows=slice(-1, None))
+
+    run()  # warm-up
+    return len(ids) / _median_seconds(run, repeats)
+
+
+def decode_tps(model: Transformer, ids: Sequence[int], tokens: int, warmup: int = WARMUP_STEPS) -> tuple[float, list[int]]:
+    """Greedy decode of `tokens` tokens after the prompt `ids`, one forward per token.
+
+    Returns (tok/s, the greedy continuation: the prefill's token, then the `tokens` decoded ones)."""
+    cache = model.new_cache(len(ids) + max(tokens, warmup) + 1)
+    first = int(model(torch.tensor(list(ids), device=model.device), cache, logit_rows=slice(-1, None)).logits.argmax(-1))
+    base = cache.length
+
+    def run(n: int) -> list[int]:
+        cache.rollback(base)
+        tok, out = first, []
+        for _ in range(n):
+            tok = int(model(torch.tensor([tok], device=model.device), cache).logits[-1].argmax())
+            out.append(tok)
+        return out
+
+    run(warmup)
+    t = time.perf_counter()
+    out = run(tokens)
+    return tokens / (time.perf_counter() - t), [first, *out]
+
+
+def cost_curve(model: Transformer, ids: Sequence[int], ks: Sequence[int] = KS, repeats: int = 5) -> dict[int, float]:
+    """Median ms of one forward scoring k new tokens (all logits, as verification does) on a cache
+    holding `ids`; the cache is rolled back after every forward. The repeats go round-robin over
+    the k values, so a burst of load on the machine hits all of them alike."""
+    kmax = max(ks)
+    cache = model.new_cache(len(ids) + kmax)
+    model(torch.tensor(list(ids), device=model.device), cache, logit_rows=slice(0, 0))
+    base = cache.length
+    new = torch.tensor(list(ids[:kmax]) * (kmax // max(1, len(ids)) + 1), device=model.device)[:kmax]
+    samples: dict[int, list[float]] = {k: [] for k in ks}
+    for i in range(repeats + 1):  # the first round is a warm-up
+        for k in ks:
+            t = time.perf_counter()
+            model(new[:k], cache)
+            dt = time.perf_counter() - t
+            cache.rollback(base)
+            if i:
+                samples[k].append(dt)
+    return {k: statistics.median(v) * 1000 for k, v in samples.items()}
+
+
+def text_logits(model: Transformer, ids: Sequence[int]) -> Tensor:
+    """Logits [T, V] at every position of `ids` (one forward)."""
+    cache = model.new_cache(len(ids))
+    return model(torch.tensor(list(ids), device=model.device), cache).logits.float().cpu()
+
+
+def compare_logits(model: str, reference: Tensor, other: Tensor) -> Fidelity:
+    if reference.shape != other.shape:
+        raise SpeculantError(f"logit shapes differ: {tuple(reference.shape)} vs {tuple(other.shape)}")
+    diff = float((reference - other).abs().max())
+    agree = float((reference.argmax(-1) == other.argmax(-1)).float().mean())
+    return Fidelity(model, reference.shape[0], diff, agree)
+
+
+def measure_model(model: Transformer, name: str, weights: str, ids: Sequence[int], cfg: SpeedConfig,
+                  bandwidth: float) -> SpeedRow:
+    """Everything one row of the table needs, for one loaded model."""
+    return SpeedRow(
+        model=name, engine="speculant", weights=weights,
+        prefill_tps=prefill_tps(model, ids, min(cfg.repeats, 3)),
+        decode_tps=decode_tps(model, ids, cfg.tokens)[0],
+        bytes_per_token=model.weight_bytes_per_token(),
+        curve_ms=cost_curve(model, ids, cfg.ks, cfg.repeats),
+        bandwidth_gbps=bandwidth,
+    )

@@ -1,0 +1,118 @@
+"""Running `speculant bench speed`: models x weight formats (+ llama.cpp), then the report tables.
+
+Models are loaded one at a time (the largest in float32 is several GB) and freed before the next;
+the fidelity text's logits are kept per model so float32 and int8 can be compared afterwards.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .peers import LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
+from .report import Table, fmt, load_note, machine_info
+from .speed import Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, measure_bandwidth, measure_model, text_logits
+
+FIDELITY_TOKENS = 128
+
+
+@dataclass(slots=True)
+class SpeedResult:
+    config: SpeedConfig
+    threads: int
+    bandwidth_gbps: float
+    rows: list[SpeedRow] = field(default_factory=list)
+    fidelity: list[Fidelity] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    machine: dict[str, object] = field(default_factory=machine_info)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "config": asdict(self.config), "threads": self.threads, "bandwidth_gbps": self.bandwidth_gbps,
+            "torch": torch.__version__, "machine": self.machine,
+            "rows": [r.to_dict() for r in self.rows], "fidelity": [asdict(f) for f in self.fidelity],
+            "notes": self.notes,
+        }
+
+
+def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Console | None = None) -> SpeedResult:
+    from ..hub import resolve_model
+    from ..models import load_model
+
+    err = err or Console(stderr=True)
+    want_llama = "llama-cpp" in cfg.against
+    if want_llama and not llama_cpp_available():
+        err.print(f"[yellow]{LLAMA_CPP_HINT}[/yellow]")
+        want_llama = False
+    result = SpeedResult(cfg, threads, 0.0)
+    steps = 1 + len(cfg.models) * (len(cfg.dtypes) + int(want_llama))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"memory bandwidth ({cfg.bandwidth_gib:g} GiB, {threads} threads)", total=steps)
+        result.bandwidth_gbps = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)
+        bar.advance(task)
+        for spec in cfg.models:
+            logits: dict[str, torch.Tensor] = {}
+            ids: list[int] = []
+            for dtype in cfg.dtypes:
+                bar.update(task, description=f"{spec} ({dtype}): loading")
+                lm = load_model(spec, dtype, progress=False)
+                ids = bench_ids(lm.tokenizer.encode, cfg.cache)
+                bar.update(task, description=f"{spec} ({dtype}): measuring")
+                result.rows.append(measure_model(lm.model, spec, dtype, ids, cfg, result.bandwidth_gbps))
+                if len(set(cfg.dtypes)) > 1:
+                    logits[dtype] = text_logits(lm.model, ids[:FIDELITY_TOKENS])
+                del lm
+                gc.collect()
+                bar.advance(task)
+            if "float32" in logits and "int8" in logits:
+                result.fidelity.append(compare_logits(spec, logits["float32"], logits["int8"]))
+            if want_llama and ids:
+                bar.update(task, description=f"{spec} (llama.cpp): measuring")
+                result.rows.append(_llama_row(resolve_model(spec), spec, ids, cfg, threads, result.bandwidth_gbps))
+                bar.advance(task)
+    if want_llama:
+        result.notes.append("llama.cpp runs the GGUF file's own quantisation and computes every scored row's logits "
+                            "(logits_all), in prefill too.")
+    return result
+
+
+def _llama_row(path: Path, spec: str, ids: list[int], cfg: SpeedConfig, threads: int, bandwidth: float) -> SpeedRow:
+    nbytes, kind = gguf_weight_info(path)
+    m = llama_cpp_speed(path, ids, cfg.tokens, cfg.ks, threads, cfg.repeats)
+    return SpeedRow(spec, "llama.cpp", kind, m.prefill_tps, m.decode_tps, nbytes, m.curve_ms, bandwidth)
+
+
+def speed_tables(result: SpeedResult) -> list[Table]:
+    cfg = result.config
+    cols = ("model", "engine", "weights", "prefill tok/s", "decode tok/s", "MB/token", "GB/s", "% of bw",
+            *(f"k={k} ms (x)" for k in cfg.ks))
+    rows = []
+    for r in result.rows:
+        frac = r.bandwidth_fraction
+        curve = tuple(f"{fmt(r.curve_ms.get(k), 1)} ({fmt(r.curve_ratio(k), 2)})" for k in cfg.ks)
+        rows.append((r.model, r.engine, r.weights, fmt(r.prefill_tps, 1), fmt(r.decode_tps, 1),
+                     fmt(r.bytes_per_token / 1e6, 1), fmt(r.gbps, 2), fmt(None if frac is None else 100 * frac, 0),
+                     *curve))
+    notes = (
+        f"{result.threads} threads; memory bandwidth {result.bandwidth_gbps:.1f} GB/s (torch.sum over "
+        f"{cfg.bandwidth_gib:g} GiB float32).",
+        f"prefill: one forward over a {cfg.cache}-token prompt; decode: {cfg.tokens} greedy tokens after it, one "
+        "forward each; GB/s = weight bytes per token x decode tok/s.",
+        f"k=N: ms of one forward scoring N new tokens on a {cfg.cache}-token cache (median of {cfg.repeats}); "
+        "(x) = relative to k=1.",
+        *result.notes,
+        *filter(None, [load_note(result.machine)]),
+    )
+    tables = [Table("bench speed", cols, tuple(rows), notes)]
+    if result.fidelity:
+        frows = tuple((f.model, str(f.positions), fmt(f.max_abs_logit_diff, 4), fmt(100 * f.top1_agreement, 1))
+                      for f in result.fidelity)
+        tables.append(Table("int8 vs float32 fidelity", ("model", "positions", "max |logit diff|", "top-1 agree %"),
+                            frows, ("logits of both formats at every position of the fixed benchmark text.",)))
+    return tables

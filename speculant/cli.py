@@ -1,0 +1,200 @@
+"""The `speculant` command: thin argument parsing around the engine, the hub and the benchmark.
+
+Generated text goes to stdout as it streams; progress, stats and errors go to stderr. User errors
+print one line and exit 2 (set SPECULANT_DEBUG=1 for a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import SpeculantError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
+    p.add_argument("--draft", "-d", default=None, help="draft model for --method draft (preset, .gguf or HF folder)")
+    p.add_argument("--method", choices=("ar", "draft", "lookup"), default=None,
+                   help="decoding method (default: draft if --draft is given, else ar)")
+    p.add_argument("--dtype", default=None, help="weight format: float32 (reference) or int8 (default on x86 CPUs)")
+    p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
+    p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
+    p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,
+                   help="fixed k, or grow on full acceptance / shrink otherwise")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="draft model stops drafting when its top probability falls below this")
+    p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="new tokens at most")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message (with --chat / chat)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="speculant", description="Exact speculative decoding for local LLMs.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    g.add_argument("--stats", action="store_true", help="print a JSON object of stats to stderr at the end")
+    g.add_argument("prompt", help="the prompt ('-' reads stdin)")
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--stats", action="store_true", help="print stats after each answer")
+
+    p = sub.add_parser("pull", help="download and verify default models into the cache")
+    p.add_argument("names", nargs="*", help="preset names (default: all)")
+    p.add_argument("--list", action="store_true", help="list presets and whether they are cached")
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return ap
+
+
+def load_engine(args: argparse.Namespace):
+    """Models and method from the common arguments (shared by generate, chat and bench)."""
+    from .engine import Engine, MethodConfig
+    from .methods.base import DraftLengthConfig
+    from .methods.draft_model import DraftModelConfig
+    from .methods.lookup import LookupConfig
+    from .models import load_model
+    from .runtime import configure_threads
+
+    configure_threads(args.threads)
+    method = args.method or ("draft" if args.draft else "ar")
+    if method == "draft" and not args.draft:
+        raise SpeculantError(f"--method draft needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
+    if method != "draft" and args.draft:
+        raise SpeculantError(f"--draft is only used with --method draft, not {method}")
+    dl = DraftLengthConfig()
+    k = args.draft_tokens if args.draft_tokens is not None else dl.k
+    mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)
+    cfg = MethodConfig(
+        method,
+        DraftLengthConfig(k, args.draft_schedule or dl.schedule, mk),
+        LookupConfig(max_ngram=args.ngram) if args.ngram is not None else LookupConfig(),
+        DraftModelConfig(args.min_confidence) if args.min_confidence is not None else DraftModelConfig(),
+    )
+    progress = not args.no_progress
+    target = load_model(args.model, args.dtype, device=args.device, progress=progress)
+    draft = None
+    if args.draft:
+        draft = load_model(args.draft, args.draft_dtype or args.dtype, device=args.device, progress=progress)
+    return Engine(target, draft, cfg)
+
+
+def _gen_config(args: argparse.Namespace):
+    from .engine import GenerationConfig
+    from .sampling import SamplingConfig
+
+    return GenerationConfig(max_new_tokens=args.max_tokens,
+                            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+                            stop_strings=tuple(args.stop))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Chunk
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    gen = _gen_config(args)  # validate sampling values before loading a model
+    engine = load_engine(args)
+    for ev in engine.stream(prompt, gen, chat=args.chat, system=args.system):
+        if isinstance(ev, Chunk):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        else:
+            sys.stdout.write("\n")
+            if args.stats:
+                print(json.dumps({**ev.stats.to_dict(), "finish_reason": ev.finish_reason}), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .engine import Chunk
+
+    gen = _gen_config(args)
+    engine = load_engine(args)
+    tok = engine.tokenizer
+    if tok.chat_template is None:
+        raise SpeculantError(f"{args.model} has no chat template; use `speculant generate` instead")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("speculant chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special=False)
+        reply = ""
+        for ev in engine.stream(ids, gen):
+            if isinstance(ev, Chunk):
+                reply += ev.text
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif args.stats:
+                print("\n" + json.dumps(ev.stats.to_dict()), file=sys.stderr)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .hub import list_presets, model_path, pull
+
+    presets = {p.name: p for p in list_presets()}
+    if args.list:
+        for p in presets.values():
+            cached = "cached" if model_path(p.name).exists() else "-"
+            print(f"{p.name:32s} {p.role:12s} {p.size / 1e6:8.1f} MB  {cached:7s} {p.description}")
+        return 0
+    for name in args.names or list(presets):
+        print(pull(name, force=args.force))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "pull": cmd_pull}
+    try:
+        if args.command == "bench":
+            from .bench.cli import cmd_bench
+
+            return cmd_bench(args)
+        return handlers[args.command](args)
+    except SpeculantError as e:
+        if os.environ.get("SPECULANT_DEBUG"):
+            raise
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspeculant: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The engine: a target model, an optional drafter, and the one decoding loop they share.
+
+The engine knows nothing of HTTP or the command line. `stream()` is the main entry: it yields
+`Chunk`s of text as tokens are accepted and a final `Done` with the stats; `generate()` collects it.
+Plain autoregressive decoding is the same loop with a drafter that proposes nothing.
+
+One round: the drafter proposes k tokens after `pending` (the last emitted, not yet scored token);
+the target scores [pending, *draft] in one forward; `verify` keeps n drafts plus one token; both
+caches are rolled back to the committed length. The only host sync of a round is reading
+(n, tokens) once after verification.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpeculantError
+from .methods.base import DraftLength, DraftLengthConfig, Drafter
+from .methods.draft_model import DraftModelConfig, DraftModelDrafter
+from .methods.lookup import LookupConfig, LookupDrafter
+from .models import LoadedModel
+from .sampling import SamplingConfig, probs, sample
+from .stats import Stats
+from .verify import verify_greedy, verify_sampled
+from .vocab import check_compatible
+
+METHODS = ("ar", "draft", "lookup")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-turn tokens
+    ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SpeculantError(f"max tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise SpeculantError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True, slots=True)
+class MethodConfig:
+    name: str = "ar"
+    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise SpeculantError(f"unknown method {self.name!r}; choose one of {', '.join(METHODS)}")
+
+
+@dataclass(slots=True)
+class Chunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Done:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end token or stop string) | "length" (max tokens or context)
+    stats: Stats
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
+                 method: MethodConfig | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.method = method or MethodConfig("draft" if draft is not None else "ar")
+        if self.method.name == "draft":
+            if draft is None:
+                raise SpeculantError("--method draft needs a draft model (--draft MODEL)")
+            check_compatible(target, draft)
+        self.tokenizer = target.tokenizer
+
+    def encode_prompt(self, prompt: str | list[int], *, chat: bool = False, system: str | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise SpeculantError("the prompt is empty; pass some text to continue")
+            if chat:
+                messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special=False)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise SpeculantError("the prompt is empty; pass some text to continue")
+        ctx = self.target.config.context_length
+        if len(ids) >= ctx:
+            raise SpeculantError(f"the prompt has {len(ids)} tokens but the model's context holds {ctx}; shorten it")
+        vocab = self.target.config.vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise SpeculantError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def _drafter(self, sampling: SamplingConfig, max_len: int) -> Drafter | None:
+        m = self.method
+        if m.name == "lookup":
+            return LookupDrafter(m.lookup, self.target.model.device)
+        if m.name == "draft":
+            assert self.draft is not None
+            return DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len, self.target.config.vocab_size)
+        return None
+
+    def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:
+        for ev in self.stream(prompt, gen, **kw):
+            if isinstance(ev, Done):
+                return ev
+        raise AssertionError("stream ended without Done")
+
+    def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None, *, chat: bool = False,
+               system: str | None = None) -> Iterator[Chunk | Done]:
+        gen = gen or GenerationConfig()
+        ids = self.encode_prompt(prompt, chat=chat, system=system)
+        model = self.target.model
+        sampling = gen.sampling
+        device = model.device
+        k_max = self.method.draft_length.max_k if self.method.name != "ar" else 0
+        max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
+        cache = model.new_cache(max_len)
+        generator = None if sampling.greedy else sampling.generator(device)
+        drafter = self._drafter(sampling, max_len)
+        policy = DraftLength(self.method.draft_length)
+        stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
+        if gen.ignore_eos:
+            stops = frozenset()
+        out = _Output(self.tokenizer, gen, stops)
+        stats = Stats(method=self.method.name, prompt_tokens=len(ids))
+
+        t0 = time.perf_counter()
+        logits = model(torch.tensor(ids, device=device), cache, logit_rows=slice(-1, None)).logits  # [1, V]
+        first = int(logits.argmax(-1) if sampling.greedy else sample(probs(logits, sampling), generator))
+        if drafter is not None:
+            drafter.start(ids)
+        stats.target_forwards = 1
+        stats.prefill_seconds = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        yield from out.push([first])
+        pending = first
+        while not out.finished:
+            room = cache.max_len - cache.length - 1  # the forward below writes 1 + k slots
+            if room < 0:
+                out.finish("length")
+                break
+            k = min(policy.k, gen.max_new_tokens - out.count - 1, room) if drafter is not None else 0
+            ta = time.perf_counter()
+            draft = drafter.propose(pending, k, generator) if drafter is not None and k > 0 else None
+            tb = time.perf_counter()
+            drafted = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=device)
+            kd = int(drafted.shape[0])
+            base = cache.length
+            logits = model(torch.cat([drafted.new_tensor([pending]), drafted]), cache).logits  # [kd+1, V]
+            if sampling.greedy:
+                tokens, n_acc = verify_greedy(drafted, logits)
+            else:
+                tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None, probs(logits, sampling), generator)
+            n = int(n_acc)
+            new = tokens[: n + 1].tolist()  # the round's one host sync
+            cache.rollback(base + 1 + n)
+            if drafter is not None:
+                drafter.commit([pending] + new[:n], kd)
+                policy.update(n, kd)
+            tc = time.perf_counter()
+            stats.draft_seconds += tb - ta
+            stats.target_seconds += tc - tb
+            stats.record_round(kd, n)
+            yield from out.push(new)
+            pending = new[-1]
+        stats.decode_seconds = time.perf_counter() - t_decode
+        stats.generated_tokens = out.count
+        yield from out.flush()
+        yield Done(out.text, out.token_ids, out.reason, stats)
+
+
+class _Output:
+    """Turns accepted tokens into emitted text: stop tokens, max tokens, stop strings, streaming."""
+
+    def __init__(self, tokenizer, gen: GenerationConfig, stops: frozenset[int]) -> None:
+        self.detok = tokenizer.detokenizer()
+        self.gen = gen
+        self.stops = stops
+        self.token_ids: list[int] = []
+        self.text = ""  # emitted text
+        self.held = ""  # text that might be the start of a stop string
+        self.finished = False
+        self.reason = "length"
+        self.hold = max((len(s) for s in gen.stop_strings), default=0)
+        self.string_hit = False
+
+    @property
+    def count(self) -> int:
+        return len(self.token_ids)
+
+    def finish(self, reason: str) -> None:
+        self.finished, self.reason = True, reason
+
+    def push(self, tokens: list[int]) -> Iterator[Chunk]:
+        emitted: list[int] = []
+        piece = ""
+        for t in tokens:
+            if t in self.stops:
+                self.finish("stop")
+                break
+            self.token_ids.append(t)
+            emitted.append(t)
+            new = self.detok.push(t)
+            if self.gen.stop_strings:
+                new, hit = self._scan(new)
+                piece += new
+                if hit:
+                    self.string_hit = True
+                    self.finish("stop")
+                    break
+            else:
+                piece += new
+            if self.count >= self.gen.max_new_tokens:
+                self.finish("length")
+                break
+        if piece or emitted:
+            self.text += piece
+            yield Chunk(piece, emitted)
+
+    def _scan(self, piece: str) -> tuple[str, bool]:
+        """Return the text safe to emit and whether a stop string was hit (text cut before it)."""
+        buf = self.held + piece
+        cut = min((i for i in (buf.find(s) for s in self.gen.stop_strings) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return buf[:cut], True
+        # Keep back the longest tail that could still grow into a stop string.
+        keep = 0
+        for n in range(1, min(self.hold, len(buf) + 1)):
+            if any(s.startswith(buf[-n:]) for s in self.gen.stop_strings):
+                keep = n
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> Iterator[Chunk]:
+        if self.string_hit:  # the text ends before the stop string; nothing more to say
+            return
+        rest = self.detok.flush()
+        if self.gen.stop_strings:
+            rest, hit = self._scan(rest)
+            if not hit:
+                rest += self.held
+            self.held = ""
+        if rest:
+            self.text += rest
+            yield Chunk(rest, [])

@@ -1,0 +1,72 @@
+"""The drafter protocol every speculative method implements.
+
+A round of decoding: the engine holds the committed tokens and one `pending` token the target has
+not scored yet. It asks the drafter to `propose` up to `k` tokens that follow, the target scores
+[pending, *draft] in one forward, verification keeps a prefix of the draft plus one token, and the
+engine calls `commit` with what was emitted so the drafter can rewind or advance its own state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class Draft:
+    tokens: Tensor  # [k] long, k >= 0
+    q: Tensor | None  # [k, V] distributions the tokens were drawn from; None = deterministic (one-hot)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt: list[int]) -> None:
+        """Begin a generation whose context is `prompt` (all of it committed, nothing pending)."""
+
+    def propose(self, pending: int, k: int, generator: torch.Generator | None) -> Draft:
+        """Up to k tokens predicted to follow the committed context + `pending`."""
+
+    def commit(self, accepted: list[int], n_drafted: int) -> None:
+        """`accepted` = [pending, *accepted drafts] became context; the new pending comes next."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLengthConfig:
+    """How many tokens to draft per round.
+
+    - fixed: always `k`.
+    - heuristic: HF's schedule; start at `k`, +2 after a fully accepted round, -1 otherwise,
+      within [1, max_k].
+    """
+
+    k: int = 4
+    schedule: str = "heuristic"
+    max_k: int = 16
+
+    def __post_init__(self) -> None:
+        from ..errors import SpeculantError
+
+        if self.k < 1 or self.max_k < self.k:
+            raise SpeculantError(f"draft tokens must satisfy 1 <= k ({self.k}) <= max ({self.max_k})")
+        if self.schedule not in ("fixed", "heuristic"):
+            raise SpeculantError(f"unknown draft-length schedule {self.schedule!r}; choose fixed or heuristic")
+
+
+class DraftLength:
+    """The adaptive draft length of one generation (state lives here, not in module globals)."""
+
+    def __init__(self, cfg: DraftLengthConfig) -> None:
+        self.cfg = cfg
+        self.k = cfg.k
+
+    def update(self, n_accepted: int, n_drafted: int) -> None:
+        if self.cfg.schedule == "fixed" or n_drafted == 0:
+            return
+        if n_accepted == n_drafted:
+            self.k = min(self.k + 2, self.cfg.max_k)
+        else:
+            self.k = max(self.k - 1, 1)

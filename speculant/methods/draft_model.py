@@ -1,0 +1,99 @@
+"""A small draft model proposes tokens autoregressively (Leviathan et al. 2023; Chen et al. 2023).
+
+The draft keeps its own KV cache in step with the target's context. It samples its proposals
+with the same sampling settings as the target (so q and p are transformed alike) and returns the
+distributions q it drew from. Drafting stops early when the draft's top probability drops below
+`min_confidence` (HF's assistant_confidence_threshold, llama.cpp's p-min): a token the draft
+itself doubts is likely rejected, and a target forward over it would be wasted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculantError
+from ..models.transformer import Transformer
+from ..sampling import SamplingConfig, probs, sample
+from .base import Draft
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelConfig:
+    min_confidence: float = 0.0  # 0 = never stop early
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise SpeculantError(f"draft min confidence must be in [0, 1), got {self.min_confidence}")
+
+
+class DraftModelDrafter:
+    name = "draft"
+
+    def __init__(self, model: Transformer, sampling: SamplingConfig, cfg: DraftModelConfig, max_len: int,
+                 target_vocab: int) -> None:
+        self.model = model
+        # Vocabularies may differ by padding rows only (checked up front): the draft never proposes
+        # an id the target lacks, and q is laid out over the target's vocabulary.
+        self.target_vocab = target_vocab
+        self.sampling = sampling
+        self.cfg = cfg
+        self.cache = model.new_cache(max_len)
+        self.committed = 0  # cache slots holding committed context
+        self.unfed: list[int] = []  # committed tokens not yet in the cache (at most the last accepted draft)
+        self.fed_this_round = 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.cache.rollback(0)
+        if len(prompt) > 1:
+            self.model(torch.tensor(prompt[:-1], device=self.model.device), self.cache, logit_rows=slice(0, 0))
+        self.committed = self.cache.length
+        self.unfed = prompt[-1:]
+
+    def propose(self, pending: int, k: int, generator: torch.Generator | None) -> Draft:
+        feed = torch.tensor(self.unfed + [pending], device=self.model.device)
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        greedy = self.sampling.greedy
+        threshold = self.cfg.min_confidence
+        room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
+        for _ in range(max(0, min(k, room))):
+            logits = self._fit(self.model(feed, self.cache, logit_rows=slice(-1, None)).logits[0])  # [V_target]
+            if greedy:
+                tok = logits.argmax(-1, keepdim=True)
+                if threshold > 0 and logits.softmax(-1).max() < threshold:
+                    break
+            else:
+                q = probs(logits, self.sampling)
+                if threshold > 0 and q.max() < threshold:
+                    break
+                tok = sample(q, generator).reshape(1)
+                qs.append(q)
+            tokens.append(tok)
+            feed = tok
+        # Cache now holds: committed, unfed, pending, and all drafts but the last.
+        draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=self.model.device)
+        return Draft(draft, torch.stack(qs) if qs else None)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        v = self.target_vocab
+        if logits.shape[0] == v:
+            return logits
+        if logits.shape[0] > v:
+            return logits[:v]
+        return torch.cat([logits, logits.new_full((v - logits.shape[0],), float("-inf"))])
+
+    def commit(self, accepted: list[int], n_drafted: int) -> None:
+        # accepted = [pending, d_1..d_n]; the cache holds unfed + pending + d_1..d_{n_drafted-1}.
+        n = len(accepted) - 1
+        base = self.committed + len(self.unfed)  # slot of `pending`
+        fed_drafts = max(n_drafted - 1, 0)
+        if self.cache.length < base + 1:  # nothing was fed (no room to draft): feed it next round
+            self.cache.rollback(self.committed)
+            self.unfed = self.unfed + accepted
+            return
+        keep = min(n, fed_drafts)
+        self.cache.rollback(base + 1 + keep)
+        self.committed = self.cache.length
+        self.unfed = accepted[1 + keep :]

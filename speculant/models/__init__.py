@@ -1,0 +1,65 @@
+"""Models: one Transformer for the Llama family, its KV cache, weight formats and loaders.
+
+`load_model(spec)` is the single entry point: a preset name, a .gguf path or an HF folder in,
+a ready `LoadedModel` (weights in the chosen format + the model's tokenizer) out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculantError
+from ..tokenizer import Tokenizer
+from .build import build_transformer
+from .cache import KVCache
+from .config import ModelConfig
+from .quant import WEIGHT_FORMATS
+from .transformer import Output, Transformer
+
+__all__ = ["KVCache", "LoadedModel", "ModelConfig", "Output", "Transformer", "default_dtype", "load_model"]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: Path
+    model: Transformer
+    tokenizer: Tokenizer
+    dtype: str
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def default_dtype(device: str = "cpu") -> str:
+    """int8 on x86 CPUs (FBGEMM): fastest, and its greedy output tracks float32 closely (see README)."""
+    if device == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines:
+        return "int8"
+    return "float32"
+
+
+def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", progress: bool = True,
+               use_cache: bool = True) -> LoadedModel:
+    from ..hub import resolve_model, speculant_home
+    from .load_gguf import GGUFSource
+    from .load_hf import HFSource
+
+    dtype = dtype or default_dtype(device)
+    if dtype not in WEIGHT_FORMATS:
+        raise SpeculantError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if device != "cpu" and dtype != "float32":
+        raise SpeculantError(f"--dtype {dtype} runs on the CPU only; use --dtype float32 on {device}")
+    path = resolve_model(spec)
+    if path.is_dir():
+        src = HFSource(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        src = GGUFSource(path)
+        tokenizer = Tokenizer.from_gguf(src.fields)
+    cache_dir = speculant_home() / "converted" if use_cache else None
+    model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name)
+    return LoadedModel(name=spec, path=path, model=model.to(device), tokenizer=tokenizer, dtype=dtype)

@@ -1,0 +1,141 @@
+"""Assemble a Transformer in a chosen weight format from a weight source (GGUF or HF folder).
+
+Assembly goes one layer at a time (dequantise, fuse q/k/v and gate/up, convert), with a progress
+bar. The converted tensors are saved as safetensors in a conversion cache keyed by the source's
+fingerprint and the format, so the second load of a model skips the slow GGUF dequantisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..errors import SpeculantError
+from .config import ModelConfig
+from .quant import QLinear, linear_from_state, make_linear
+from .transformer import Block, Transformer
+
+_CACHE_VERSION = "1"
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+class WeightSource(Protocol):
+    config: ModelConfig
+
+    def has(self, name: str) -> bool: ...
+    def get(self, name: str) -> Tensor: ...
+    def fingerprint(self) -> str: ...
+
+
+@contextmanager
+def _progress(label: str, total: int, enabled: bool) -> Iterator[callable]:
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as p:
+        task = p.add_task(label, total=total)
+        yield lambda: p.advance(task)
+
+
+def _float_layer(src: WeightSource, i: int) -> dict[str, Tensor]:
+    """Canonical float tensors of layer i, with q/k/v and gate/up fused into one matrix each."""
+    p = f"layers.{i}."
+    qkv_w = torch.cat([src.get(p + "q"), src.get(p + "k"), src.get(p + "v")])
+    qkv_b = None
+    if src.config.qkv_bias:
+        qkv_b = torch.cat([src.get(p + "q_bias"), src.get(p + "k_bias"), src.get(p + "v_bias")])
+    return {
+        "attn_norm": src.get(p + "attn_norm"), "ffn_norm": src.get(p + "ffn_norm"),
+        "qkv": qkv_w, "qkv_bias": qkv_b, "o": src.get(p + "o"),
+        "gate_up": torch.cat([src.get(p + "gate"), src.get(p + "up")]), "down": src.get(p + "down"),
+    }
+
+
+def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, progress: bool = True,
+                      label: str = "model") -> Transformer:
+    cfg = src.config
+    cached = None
+    if cache_dir is not None:
+        key = hashlib.sha256(f"{_CACHE_VERSION}|{src.fingerprint()}|{fmt}".encode()).hexdigest()[:24]
+        cached = cache_dir / f"{key}.safetensors"
+        if cached.exists():
+            try:
+                return _from_states(cfg, _load_states(cached), fmt)
+            except SpeculantError:
+                cached.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, never trusted
+
+    states: dict[str, Tensor] = {}
+    blocks: list[Block] = []
+    with _progress(f"assembling {label} ({fmt})", cfg.n_layers + 1, progress) as advance:
+        for i in range(cfg.n_layers):
+            fl = _float_layer(src, i)
+            lin = {n: make_linear(fl[n], fl["qkv_bias"] if n == "qkv" else None, fmt) for n in _LINEARS}
+            blocks.append(Block(cfg, fl["attn_norm"], lin["qkv"], lin["o"], fl["ffn_norm"], lin["gate_up"], lin["down"]))
+            _collect(states, f"layers.{i}.", fl, lin)
+            advance()
+        embed = src.get("embed")
+        head_w = embed if cfg.tie_embeddings else src.get("lm_head")
+        lm_head = make_linear(head_w, None, fmt)
+        norm = src.get("norm")
+        advance()
+    if embed.shape != (cfg.vocab_size, cfg.dim):
+        raise SpeculantError(f"embedding shape {tuple(embed.shape)} does not match the config ({cfg.vocab_size}, {cfg.dim})")
+    model = Transformer(cfg, embed, blocks, norm, lm_head)
+    if cached is not None:
+        states.update({"embed": embed, "norm": norm})
+        states.update({f"lm_head.{k}": v for k, v in lm_head.state().items()})
+        _save_states(cached, states)
+    return model
+
+
+def _collect(states: dict[str, Tensor], prefix: str, fl: dict[str, Tensor], lin: dict[str, QLinear]) -> None:
+    states[prefix + "attn_norm"] = fl["attn_norm"]
+    states[prefix + "ffn_norm"] = fl["ffn_norm"]
+    for n, layer in lin.items():
+        for k, v in layer.state().items():
+            states[f"{prefix}{n}.{k}"] = v
+
+
+def _from_states(cfg: ModelConfig, st: dict[str, Tensor], fmt: str) -> Transformer:
+    def sub(prefix: str) -> dict[str, Tensor]:
+        return {k[len(prefix):]: v for k, v in st.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+    try:
+        blocks = []
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            lin = {n: linear_from_state(sub(f"{p}{n}."), fmt) for n in _LINEARS}
+            blocks.append(Block(cfg, st[p + "attn_norm"], lin["qkv"], lin["o"], st[p + "ffn_norm"], lin["gate_up"], lin["down"]))
+        return Transformer(cfg, st["embed"], blocks, st["norm"], linear_from_state(sub("lm_head."), fmt))
+    except KeyError as e:
+        raise SpeculantError(f"conversion cache entry is incomplete (missing {e})") from None
+
+
+def _load_states(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise SpeculantError(f"unreadable conversion cache {path}: {e}") from None
+
+
+def _save_states(path: Path, states: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    # Tied embeddings share storage with lm_head in fp32; safetensors refuses shared tensors.
+    save_file({k: v.contiguous().clone() if k.startswith("lm_head") else v.contiguous() for k, v in states.items()}, str(tmp))
+    os.replace(tmp, path)

@@ -1,0 +1,84 @@
+"""The shape of a Llama-family decoder, independent of where its weights come from.
+
+One `ModelConfig` covers llama (Llama 2/3, SmolLM2) and qwen2 (biases on q/k/v). Loaders fill it
+from GGUF metadata or an HF `config.json`; the Transformer only ever reads this dataclass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import SpeculantError
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.x frequency scaling (HF `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF llama3: per-frequency divisors
+    head_dim: int = 0  # 0: dim // n_heads
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise SpeculantError(
+                f"unsupported architecture {self.arch!r}: speculant runs {', '.join(SUPPORTED_ARCHS)} models"
+            )
+        for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size", "context_length"):
+            if getattr(self, name) < 1:
+                raise SpeculantError(f"model config has {name}={getattr(self, name)}; it must be >= 1")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise SpeculantError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise SpeculantError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def inv_freq(self) -> list[float]:
+        """Rotary inverse frequencies (head_dim/2 of them), with Llama 3 scaling when configured."""
+        half = self.head_dim // 2
+        freqs = [1.0 / self.rope_base ** (2 * i / self.head_dim) for i in range(half)]
+        if self.rope_freq_factors is not None:
+            return [f / d for f, d in zip(freqs, self.rope_freq_factors)]
+        s = self.rope_scaling
+        if s is None:
+            return freqs
+        # Llama 3.1 scheme: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        out = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / s.factor)
+            else:
+                smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                    s.high_freq_factor - s.low_freq_factor
+                )
+                out.append((1 - smooth) * f / s.factor + smooth * f)
+        return out

@@ -1,0 +1,150 @@
+"""One Transformer for the Llama family (llama, qwen2), batch size 1.
+
+The forward pass is the contract every decoding method builds on:
+
+    forward(tokens[S], cache, positions[S] | None, mask[S, L+S] | None, taps) -> Output(logits, taps)
+
+- `tokens` are S new tokens, written to the cache at slots cache.length.. (then length += S).
+- `positions` are their rotary positions (default: their slots). Trees of drafts pass explicit
+  positions (depth) and an explicit boolean `mask` over all L+S visible slots (True = attend).
+- `taps` asks for the residual stream after given layers (EAGLE's features).
+- `logits` can be limited to some rows (`logit_rows`), e.g. only the last one after a prefill.
+
+The cache is an argument, not model state, so one set of weights can serve several caches (a model
+drafting for itself, a server with several sessions). Linear layers are `QLinear`s: the float32
+reference or a quantised format, swapped without touching this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .quant import QLinear
+
+
+# Causal passes of up to this many tokens (decoding, speculative verification) attend row by row,
+# which makes their logits independent of how many tokens share the pass; longer ones (prefill)
+# use one batched attention call.
+ROW_WISE_MAX = 32
+
+
+@dataclass(slots=True)
+class Output:
+    logits: Tensor  # [R, V] for the requested rows
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [S, D] residual after that layer
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_norm: Tensor, qkv: QLinear, o: QLinear,
+                 ffn_norm: Tensor, gate_up: QLinear, down: QLinear) -> None:
+        super().__init__()
+        self.attn_norm = nn.Parameter(attn_norm.float(), requires_grad=False)
+        self.ffn_norm = nn.Parameter(ffn_norm.float(), requires_grad=False)
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.eps = cfg.norm_eps
+        self.hidden_dim = cfg.hidden_dim
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: Tensor, blocks: list[Block], norm: Tensor, lm_head: QLinear) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(embed.float().contiguous(), requires_grad=False)  # [V, D]
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.Parameter(norm.float(), requires_grad=False)
+        self.lm_head = lm_head
+        # Rotary tables computed in float32 the way HF does, so logits match the reference closely.
+        inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
+        t = torch.arange(cfg.context_length, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [ctx, hd/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        c = self.cfg
+        n = min(max_len or c.context_length, c.context_length)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, n, torch.float32, self.device)
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (one embedding row, all projections, norms)."""
+        n = self.lm_head.weight_bytes() + self.embed.shape[1] * 4
+        for b in self.blocks:
+            n += sum(m.weight_bytes() for m in (b.qkv, b.o, b.gate_up, b.down)) + 8 * self.cfg.dim
+        return n
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # [S] long
+        cache: KVCache,
+        positions: Tensor | None = None,  # [S] long
+        mask: Tensor | None = None,  # [S, L+S] bool, True = attend
+        taps: tuple[int, ...] = (),
+        logit_rows: slice | Tensor | None = None,  # rows of logits to compute (default: all)
+    ) -> Output:
+        S = tokens.shape[0]
+        start, end = cache.reserve(S)
+        if positions is None:
+            positions = torch.arange(start, end, device=tokens.device)
+        row_wise = mask is None and S <= ROW_WISE_MAX
+        if mask is None and not row_wise:
+            # Causal over the cache: new token i sees slots [0, start + i].
+            mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril_(start)
+        if mask is not None:
+            mask = mask[None, None]  # [1, 1, S, L+S]
+        cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
+        x = F.embedding(tokens, self.embed)  # [S, D]
+        tapped: dict[int, Tensor] = {}
+        for i, blk in enumerate(self.blocks):
+            h = F.rms_norm(x, (x.shape[-1],), blk.attn_norm, blk.eps)
+            x = x + self._attention(blk, i, h, cache, start, cos, sin, mask, row_wise)
+            h = blk.gate_up(F.rms_norm(x, (x.shape[-1],), blk.ffn_norm, blk.eps))  # [S, 2F]
+            x = x + blk.down(F.silu(h[:, : blk.hidden_dim]) * h[:, blk.hidden_dim :])
+            if i in taps:
+                tapped[i] = x
+        cache.length = end
+        if logit_rows is not None:
+            x = x[logit_rows]
+        logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.norm_eps))
+        return Output(logits, tapped)
+
+    def _attention(self, blk: Block, layer: int, x: Tensor, cache: KVCache, start: int,
+                   cos: Tensor, sin: Tensor, mask: Tensor | None, row_wise: bool) -> Tensor:
+        S, H, Hkv, hd = x.shape[0], blk.n_heads, blk.n_kv, blk.hd
+        qkv = blk.qkv(x)  # [S, (H + 2 Hkv) hd]
+        qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
+        q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
+        k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
+        v_new = qkv[:, (H + Hkv) * hd :].view(S, Hkv, hd).transpose(0, 1)
+        k, v = cache.write(layer, start, k_new, v_new)  # [Hkv, L+S, hd]
+        if row_wise:
+            # Each query row attends with exactly the call plain decoding makes for that position, so a
+            # verification pass over k drafts reproduces one-token decoding bit for bit (batched SDPA
+            # reduces in a different order, and int8 activations turn such 1e-7 noise into real flips).
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[None, :, i : i + 1], k[None, :, : start + i + 1],
+                                               v[None, :, : start + i + 1], enable_gqa=True)
+                for i in range(S)
+            ], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+        return blk.o(out[0].transpose(0, 1).reshape(S, H * hd))
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary embedding. x [S, heads, hd], cos/sin [S, hd/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random models built in-process, and the real default models (pulled once).
+
+Tiny models have a vocabulary of a few tokens so that distributions can be checked exactly; they
+run through the same Transformer, KV cache, engine and verification code as the real models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from speculant.models import LoadedModel
+from speculant.models.config import ModelConfig
+from speculant.models.quant import make_linear
+from speculant.models.transformer import Block, Transformer
+from speculant.tokenizer import Tokenizer
+
+
+def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
+    """Word-level tokenizer over the words t0 .. t{vocab-1} (text 't3 t1' <-> ids [3, 1])."""
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, bos_id=None, eos_id=eos, eos_ids=frozenset(), add_bos=False, chat_template=None)
+
+
+def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               hidden: int = 64, context: int = 256, arch: str = "qwen2", fmt: str = "float32",
+               logit_scale: float = 1.0, eos: int | None = None) -> LoadedModel:
+    """A random-weight Transformer wrapped like a loaded model. `logit_scale` sharpens its distributions."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig(arch=arch, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads, hidden_dim=hidden,
+                      vocab_size=vocab, context_length=context, qkv_bias=arch == "qwen2", rope_base=10000.0)
+    hd = cfg.head_dim
+
+    def rnd(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    blocks = []
+    for _ in range(layers):
+        qkv_out = (heads + 2 * kv_heads) * hd
+        blocks.append(Block(
+            cfg, 1 + rnd(dim, std=0.1),
+            make_linear(rnd(qkv_out, dim), rnd(qkv_out, std=0.1) if cfg.qkv_bias else None, fmt),
+            make_linear(rnd(dim, heads * hd), None, fmt),
+            1 + rnd(dim, std=0.1),
+            make_linear(rnd(2 * hidden, dim), None, fmt),
+            make_linear(rnd(dim, hidden), None, fmt),
+        ))
+    embed = rnd(vocab, dim, std=1.0)
+    head = make_linear(rnd(vocab, dim, std=logit_scale), None, fmt)
+    model = Transformer(cfg, embed, blocks, 1 + rnd(dim, std=0.1), head)
+    return LoadedModel(name=f"tiny-{seed}", path=None, model=model, tokenizer=tiny_tokenizer(vocab, eos), dtype=fmt)
+
+
+@pytest.fixture(scope="session")
+def real_model_cache():
+    """Loaded real models by (preset, dtype), shared across the session (loading costs seconds)."""
+    from speculant.models import load_model
+    from speculant.runtime import configure_threads
+
+    configure_threads()
+    loaded: dict[tuple[str, str], LoadedModel] = {}
+
+    def get(name: str, dtype: str) -> LoadedModel:
+        if (name, dtype) not in loaded:
+            loaded[(name, dtype)] = load_model(name, dtype, progress=False)
+        return loaded[(name, dtype)]
+
+    return get

@@ -1,0 +1,154 @@
+"""The command line as a user meets it: one clear line and exit code 2 for every kind of bad input."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from speculant.cli import main
+
+SMALL = "smollm2-135m-instruct"
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_user_error(rc, err, *needles):
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculant: error:"), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def write_gguf(path, arch="llama", bad_type=False):
+    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    dim, hidden, vocab = 8, 16, 4
+    w.add_block_count(1)
+    w.add_context_length(32)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(hidden)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["a", "b", "c", "ab"])
+    w.add_token_types([1, 1, 1, 1])
+    w.add_token_merges(["a b"])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "blk.0.attn_norm.weight": (dim,),
+              "blk.0.ffn_norm.weight": (dim,), "blk.0.attn_q.weight": (dim, dim), "blk.0.attn_k.weight": (4, dim),
+              "blk.0.attn_v.weight": (4, dim), "blk.0.attn_output.weight": (dim, dim),
+              "blk.0.ffn_gate.weight": (hidden, dim), "blk.0.ffn_up.weight": (hidden, dim),
+              "blk.0.ffn_down.weight": (dim, hidden)}
+    for name, shape in shapes.items():
+        if bad_type and name == "blk.0.ffn_up.weight":  # Q8_1 (40-byte blocks): the gguf package cannot dequantize it
+            w.add_tensor(name, np.zeros((hidden, 40), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+            continue
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tiny_gguf_file_generates(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = write_gguf(tmp_path / "tiny.gguf")
+    rc, out, err = run(capsys, "generate", "--model", str(path), "--dtype", "float32", "-n", "5", "--stats", "--no-progress", "ab")
+    assert rc == 0, err
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["generated_tokens"] == 5 and stats["method"] == "ar"
+    assert set(out.strip()) <= set("abc")
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--model", "no-such-model"], ["unknown model", "qwen2.5-coder-1.5b-instruct"]),
+    (["--model", "/nonexistent/model.gguf"], ["not found"]),
+    (["--temperature", "-1"], ["temperature"]),
+    (["--top-p", "0"], ["top-p"]),
+    (["--top-p", "1.5"], ["top-p"]),
+    (["--top-k", "-3"], ["top-k"]),
+    (["--max-tokens", "0"], ["max tokens"]),
+    (["--method", "draft"], ["--draft"]),
+])
+def test_argument_errors(capsys, argv, needles):
+    rc, _, err = run(capsys, "generate", *argv, "hello")
+    assert_user_error(rc, err, *needles)
+
+
+def test_corrupt_gguf(capsys, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    rc, _, err = run(capsys, "generate", "--model", str(bad), "hi")
+    assert_user_error(rc, err, "corrupt")
+
+
+def test_truncated_gguf(capsys, tmp_path):
+    from speculant.hub import resolve_model
+
+    src = resolve_model(SMALL)
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f, open(cut, "wb") as g:
+        g.write(f.read(src.stat().st_size // 2))
+    rc, _, err = run(capsys, "generate", "--model", str(cut), "hi")
+    assert_user_error(rc, err, "truncated")
+
+
+def test_unsupported_architecture(capsys, tmp_path):
+    rc, _, err = run(capsys, "generate", "--model", str(write_gguf(tmp_path / "g.gguf", arch="gpt2")), "hi")
+    assert_user_error(rc, err, "unsupported architecture", "gpt2")
+
+
+def test_unsupported_tensor_type(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    rc, _, err = run(capsys, "generate", "--no-progress", "--model", str(write_gguf(tmp_path / "q.gguf", bad_type=True)), "hi")
+    assert_user_error(rc, err, "Q8_1")
+
+
+def test_hf_folder_without_weights(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "hi")
+    assert_user_error(rc, err, "safetensors")
+
+
+@pytest.mark.real
+def test_empty_prompt(capsys):
+    rc, _, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "   ")
+    assert_user_error(rc, err, "empty")
+
+
+@pytest.mark.real
+def test_prompt_longer_than_context(capsys):
+    rc, _, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "word " * 9000)
+    assert_user_error(rc, err, "context", "8192")
+
+
+@pytest.mark.real
+def test_incompatible_draft(capsys):
+    rc, _, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "--draft", "qwen2.5-coder-0.5b-instruct", "hi")
+    assert_user_error(rc, err, "vocabulary")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["ar", "lookup"])
+def test_generate_real_model_with_stats(capsys, method):
+    rc, out, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "--method", method, "--chat",
+                       "-n", "24", "--stats", "What is the capital of France?")
+    assert rc == 0, err
+    assert "Paris" in out
+    stats = json.loads(err.strip().splitlines()[-1])
+    for key in ("prompt_tokens", "generated_tokens", "prefill_seconds", "decode_seconds", "decode_tokens_per_second",
+                "target_forwards", "method", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_accepted_tokens", "accepted_length_histogram", "draft_seconds", "target_seconds"):
+        assert key in stats, key
+    assert stats["method"] == method and 1 <= stats["generated_tokens"] <= 24

@@ -1,0 +1,174 @@
+"""The decoding loop on tiny random models: every method is exact, stops land right, seeds repeat."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_model
+from speculant.engine import Chunk, Done, Engine, GenerationConfig, MethodConfig
+from speculant.errors import SpeculantError
+from speculant.methods.base import DraftLengthConfig
+from speculant.methods.draft_model import DraftModelConfig
+from speculant.sampling import SamplingConfig, probs
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(32, seed=1, logit_scale=3.0)
+    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1)
+    return target, draft
+
+
+def engines(target, draft, **dl):
+    cfg = DraftLengthConfig(**dl) if dl else DraftLengthConfig()
+    return {
+        "ar": Engine(target),
+        "lookup": Engine(target, method=MethodConfig("lookup", cfg)),
+        "draft": Engine(target, draft, MethodConfig("draft", cfg)),
+        "self": Engine(target, target, MethodConfig("draft", cfg)),
+        "confident": Engine(target, draft, MethodConfig("draft", cfg, draft_model=DraftModelConfig(0.5))),
+    }
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_identical_for_every_method(pair, k, schedule):
+    target, draft = pair
+    gen = GenerationConfig(max_new_tokens=40)
+    outs = {name: e.generate(PROMPT, gen) for name, e in engines(target, draft, k=k, schedule=schedule, max_k=8).items()}
+    ref = outs["ar"].token_ids
+    assert len(ref) == 40
+    for name, done in outs.items():
+        assert done.token_ids == ref, name
+    assert outs["self"].stats.acceptance_rate == 1.0  # a model drafting for itself accepts everything
+    assert outs["self"].stats.target_forwards < 40
+
+
+def test_stats_are_consistent(pair):
+    target, draft = pair
+    done = Engine(target, draft, MethodConfig("draft")).generate(PROMPT, GenerationConfig(max_new_tokens=30))
+    s = done.stats
+    assert s.generated_tokens == 30 and s.prompt_tokens == len(PROMPT)
+    assert s.rounds == s.target_forwards - 1 == sum(s.accepted_length_histogram)
+    assert s.accepted_tokens == sum(i * c for i, c in enumerate(s.accepted_length_histogram))
+    assert s.emitted_in_rounds == 29  # the prefill gave the first token
+    assert s.mean_accepted_tokens == pytest.approx(29 / s.rounds)
+
+
+@pytest.mark.parametrize("method", ["ar", "lookup", "draft"])
+def test_stop_token_in_the_middle_of_an_accepted_run(pair, method):
+    target, draft = pair
+    e = engines(target, draft)["self" if method == "draft" else method]
+    ref = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=40)).token_ids
+    stop = ref[17]
+    first = ref.index(stop)
+    done = e.generate(PROMPT, GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,)))
+    assert done.token_ids == ref[:first] and done.finish_reason == "stop"
+    for n in (1, 2, 7, 23):
+        done = e.generate(PROMPT, GenerationConfig(max_new_tokens=n))
+        assert done.token_ids == ref[:n] and done.finish_reason == "length"
+
+
+def test_stop_strings_cut_text_and_stream_equals_final_text(pair):
+    target, _ = pair
+    e = Engine(target, target, MethodConfig("draft"))
+    full = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=30)).text
+    words = full.split()
+    stop = " ".join(words[5:7])
+    events = list(e.stream(PROMPT, GenerationConfig(max_new_tokens=30, stop_strings=(stop,))))
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "stop"
+    assert done.text == full[: full.find(stop)]
+    assert "".join(ev.text for ev in events if isinstance(ev, Chunk)) == done.text
+
+
+@pytest.mark.parametrize("method", ["ar", "lookup", "draft"])
+def test_seeded_sampling_repeats_exactly(pair, method):
+    target, draft = pair
+    e = engines(target, draft)[method]
+    gen = GenerationConfig(max_new_tokens=25, sampling=SamplingConfig(0.9, top_k=20, top_p=0.95, seed=42))
+    a, b = e.generate(PROMPT, gen), e.generate(PROMPT, gen)
+    assert a.token_ids == b.token_ids
+    c = e.generate(PROMPT, GenerationConfig(max_new_tokens=25, sampling=SamplingConfig(0.9, top_k=20, top_p=0.95, seed=43)))
+    assert c.token_ids != a.token_ids
+
+
+def _exact_marginals(target, prompt, sampling, n_tokens):
+    """P(x_j) for j = 1..n_tokens under target-only sampling, by enumerating every continuation."""
+    m = target.model
+    V = target.config.vocab_size
+    marginals = torch.zeros(n_tokens, V)
+    frontier = [((), 1.0)]
+    for j in range(n_tokens):
+        nxt = []
+        for ctx, w in frontier:
+            c = m.new_cache(64)
+            p = probs(m(torch.tensor(prompt + list(ctx)), c, logit_rows=slice(-1, None)).logits[0], sampling)
+            marginals[j] += w * p
+            nxt += [(ctx + (x,), w * float(p[x])) for x in range(V) if p[x] > 0]
+        frontier = nxt
+    return marginals
+
+
+@pytest.mark.parametrize("method, sampling", [
+    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9)),
+    ("lookup", SamplingConfig(1.3)),
+])
+def test_every_generated_position_has_the_targets_distribution(method, sampling):
+    """Speculative sampling through the whole engine reproduces target-only sampling (chi-square).
+
+    Four tokens: the first from the prefill, then a round drafting two, then whatever is left, so
+    accepted, resampled and bonus tokens all appear at the checked positions.
+    """
+    V, n_tok, runs = 4, 4, 4000
+    target = tiny_model(V, seed=5, logit_scale=0.2)
+    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
+    exp = _exact_marginals(target, prompt, sampling, n_tok)
+    e = Engine(target, draft if method == "draft" else None, MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed")))
+    counts = torch.zeros(n_tok, V)
+    drafted = accepted = 0
+    for i in range(runs):
+        s = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=1000 + i)
+        done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=s))
+        counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
+        drafted += done.stats.drafted_tokens
+        accepted += done.stats.accepted_tokens
+    assert drafted >= runs and 0 < accepted < drafted  # speculation really happened, with rejections
+    for j in range(n_tok):
+        keep = exp[j] * runs > 5
+        obs, ex = counts[j][keep], exp[j][keep] * runs
+        assert obs.sum() >= 0.995 * runs
+        assert chisquare(obs.numpy(), (ex * obs.sum() / ex.sum()).numpy()).pvalue > 1e-4, (j, counts[j], ex)
+
+
+def test_bad_inputs_are_clear_errors(pair):
+    target, draft = pair
+    e = Engine(target)
+    with pytest.raises(SpeculantError, match="empty"):
+        e.generate("   ")
+    with pytest.raises(SpeculantError, match="empty"):
+        e.generate([])
+    with pytest.raises(SpeculantError, match="context"):
+        e.generate(list(range(32)) * 10)
+    with pytest.raises(SpeculantError, match="max tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(SpeculantError, match="needs a draft"):
+        Engine(target, None, MethodConfig("draft"))
+    with pytest.raises(SpeculantError, match="unknown method"):
+        MethodConfig("medusa-9000")
+    other = tiny_model(40, seed=3)
+    with pytest.raises(SpeculantError, match="vocabulary"):
+        Engine(target, other, MethodConfig("draft"))
+
+
+def test_generation_stops_at_the_end_of_the_context():
+    target = tiny_model(16, context=24)
+    done = Engine(target, target, MethodConfig("draft")).generate(list(range(10)), GenerationConfig(max_new_tokens=100))
+    assert done.finish_reason == "length" and 10 + len(done.token_ids) <= 25
+    ref = Engine(target).generate(list(range(10)), GenerationConfig(max_new_tokens=100))
+    assert ref.token_ids == done.token_ids

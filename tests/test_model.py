@@ -1,0 +1,91 @@
+"""Transformer + KV cache contracts on tiny random models (float32 and int8)."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from speculant.errors import SpeculantError
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_k_tokens_in_one_pass_equal_one_by_one(fmt, arch):
+    m = tiny_model(64, arch=arch, fmt=fmt).model
+    prompt, new = torch.tensor([1, 5, 9, 2, 7]), torch.tensor([3, 8, 11, 4])
+    c1 = m.new_cache(32)
+    m(prompt, c1)
+    batched = m(new, c1).logits
+    c2 = m.new_cache(32)
+    m(prompt, c2)
+    single = torch.cat([m(new[i : i + 1], c2).logits for i in range(len(new))])
+    if fmt == "int8":  # batch-invariant by construction: bit-identical, so greedy speculation is exact
+        assert torch.equal(batched, single)
+    else:
+        torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
+    assert c1.length == c2.length == 9
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_rollback_then_refeed_matches_never_going_further(fmt):
+    m = tiny_model(64, fmt=fmt).model
+    c = m.new_cache(32)
+    m(torch.tensor([1, 2, 3, 4]), c)
+    ref = m(torch.tensor([5, 6]), c).logits
+    m(torch.tensor([9, 9, 9]), c)  # speculative tokens that get rejected
+    c.rollback(6)
+    m(torch.tensor([10]), c)
+    c.rollback(4)
+    again = m(torch.tensor([5, 6]), c).logits
+    assert torch.equal(ref, again)
+
+
+def test_explicit_mask_and_positions_reproduce_causal_default():
+    m = tiny_model(64).model
+    c = m.new_cache(32)
+    m(torch.tensor([1, 2, 3]), c)
+    base = c.length
+    ref = m(torch.tensor([4, 5]), c).logits
+    c.rollback(base)
+    mask = torch.ones(2, base + 2, dtype=torch.bool).tril(base)
+    out = m(torch.tensor([4, 5]), c, positions=torch.tensor([3, 4]), mask=mask).logits
+    torch.testing.assert_close(ref, out, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_branches_see_only_their_ancestors_and_keep_commits_a_path():
+    """Two sibling drafts scored in one pass (tree mask) equal scoring each alone; keep() commits one."""
+    m = tiny_model(64).model
+    c = m.new_cache(32)
+    m(torch.tensor([1, 2, 3]), c)
+    # tree: root token 4, children 7 and 9 (both at depth 1)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    tree = m(torch.tensor([4, 7, 9]), c, positions=torch.tensor([3, 4, 4]), mask=mask).logits
+    c.keep(3, torch.tensor([0, 2]))  # commit root and the second child
+    after = m(torch.tensor([6]), c).logits
+    c2 = m.new_cache(32)
+    m(torch.tensor([1, 2, 3]), c2)
+    chain = m(torch.tensor([4, 9]), c2).logits
+    torch.testing.assert_close(tree[[0, 2]], chain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, m(torch.tensor([6]), c2).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_taps_return_requested_layers_and_logit_rows():
+    m = tiny_model(64, layers=3).model
+    out = m(torch.tensor([1, 2, 3]), m.new_cache(8), taps=(0, 2), logit_rows=slice(-1, None))
+    assert set(out.taps) == {0, 2} and out.taps[0].shape == (3, 32)
+    assert out.logits.shape == (1, 64)
+
+
+def test_context_overflow_is_a_clear_error():
+    m = tiny_model(16).model
+    c = m.new_cache(4)
+    with pytest.raises(SpeculantError, match="context full"):
+        m(torch.tensor([1, 2, 3, 4, 5]), c)
+
+
+def test_int8_tracks_float32():
+    f = tiny_model(64, fmt="float32").model
+    q = tiny_model(64, fmt="int8").model
+    toks = torch.tensor([1, 7, 3, 9, 12, 40])
+    a, b = f(toks, f.new_cache(8)).logits, q(toks, q.new_cache(8)).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8

@@ -1,0 +1,48 @@
+"""Speculative decoding on the real default models: exact greedy output, self-drafting, seeded sampling."""
+
+import pytest
+
+from speculant.engine import Engine, GenerationConfig, MethodConfig
+from speculant.sampling import SamplingConfig
+
+pytestmark = pytest.mark.real
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+PROMPTS = [
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same backwards."""\n',
+    "import numpy as np\n\ndef softmax(x):\n",
+    "The three laws of robotics are",
+]
+
+
+@pytest.fixture(scope="module")
+def models(real_model_cache):
+    return real_model_cache(TARGET, "int8"), real_model_cache(DRAFT, "int8")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_draft_and_lookup_match_autoregressive_greedy(models, prompt):
+    target, draft = models
+    gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    ref = Engine(target).generate(prompt, gen)
+    assert len(ref.token_ids) == 64
+    spec = Engine(target, draft, MethodConfig("draft")).generate(prompt, gen)
+    look = Engine(target, method=MethodConfig("lookup")).generate(prompt, gen)
+    assert spec.token_ids == ref.token_ids
+    assert look.token_ids == ref.token_ids
+    assert spec.stats.accepted_tokens > 0 and spec.stats.target_forwards < ref.stats.target_forwards
+
+
+def test_model_drafting_for_itself_accepts_everything(models):
+    _, draft = models
+    done = Engine(draft, draft, MethodConfig("draft")).generate(PROMPTS[1], GenerationConfig(max_new_tokens=48, ignore_eos=True))
+    assert done.stats.drafted_tokens > 0
+    assert done.stats.acceptance_rate == 1.0
+
+
+def test_seeded_sampling_repeats_on_real_models(models):
+    target, draft = models
+    e = Engine(target, draft, MethodConfig("draft"))
+    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.8, top_k=40, top_p=0.95, seed=3))
+    a, b = e.generate(PROMPTS[2], gen), e.generate(PROMPTS[2], gen)
+    assert a.token_ids == b.token_ids and a.text == b.text
