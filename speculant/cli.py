@@ -30,6 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="draft model stops drafting when its top probability falls below this")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft only among the first N token ids (smaller draft output layer; 0 = all)")
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -88,14 +90,17 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--method draft needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
     if method != "draft" and args.draft:
         raise SpeculantError(f"--draft is only used with --method draft, not {method}")
-    dl = DraftLengthConfig()
+    dl, dm = DraftLengthConfig(), DraftModelConfig()
     k = args.draft_tokens if args.draft_tokens is not None else dl.k
     mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)
     cfg = MethodConfig(
         method,
         DraftLengthConfig(k, args.draft_schedule or dl.schedule, mk),
         LookupConfig(max_ngram=args.ngram) if args.ngram is not None else LookupConfig(),
-        DraftModelConfig(args.min_confidence) if args.min_confidence is not None else DraftModelConfig(),
+        DraftModelConfig(
+            args.min_confidence if args.min_confidence is not None else dm.min_confidence,
+            args.draft_vocab if args.draft_vocab is not None else dm.vocab,
+        ),
     )
     progress = not args.no_progress
     target = load_model(args.model, args.dtype, device=args.device, progress=progress)

@@ -20,7 +20,7 @@ import torch
 
 from .errors import SpeculantError
 from .methods.base import DraftLength, DraftLengthConfig, Drafter
-from .methods.draft_model import DraftModelConfig, DraftModelDrafter
+from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
 from .sampling import SamplingConfig, probs, sample
@@ -58,6 +58,35 @@ class MethodConfig:
             raise SpeculantError(f"unknown method {self.name!r}; choose one of {', '.join(METHODS)}")
 
 
+_SPEC_KEYS = {
+    "k": ("draft_length", "k", int), "schedule": ("draft_length", "schedule", str),
+    "max_k": ("draft_length", "max_k", int), "conf": ("draft_model", "min_confidence", float),
+    "vocab": ("draft_model", "vocab", int), "ngram": ("lookup", "max_ngram", int),
+}
+
+
+def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
+    """'draft:k=4,schedule=fixed,conf=0.4' -> a MethodConfig (unset fields come from `base`)."""
+    from dataclasses import replace
+
+    name, _, opts = spec.partition(":")
+    cfg = replace(base or MethodConfig(), name=name.strip())
+    parts: dict[str, dict[str, object]] = {}
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in _SPEC_KEYS:
+            raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(_SPEC_KEYS)}")
+        group, field_name, cast = _SPEC_KEYS[key]
+        try:
+            parts.setdefault(group, {})[field_name] = cast(value)
+        except ValueError:
+            raise SpeculantError(f"method option {key} needs a {cast.__name__}, got {value!r}") from None
+    dl = cfg.draft_length
+    if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"]:
+        parts["draft_length"]["max_k"] = max(dl.max_k, int(parts["draft_length"]["k"]))
+    return replace(cfg, **{g: replace(getattr(cfg, g), **kv) for g, kv in parts.items()})
+
+
 @dataclass(slots=True)
 class Chunk:
     text: str
@@ -82,6 +111,7 @@ class Engine:
             if draft is None:
                 raise SpeculantError("--method draft needs a draft model (--draft MODEL)")
             check_compatible(target, draft)
+            self._draft_head = reduced_head(draft.model, self.method.draft_model)
         self.tokenizer = target.tokenizer
 
     def encode_prompt(self, prompt: str | list[int], *, chat: bool = False, system: str | None = None) -> list[int]:
@@ -111,7 +141,8 @@ class Engine:
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name == "draft":
             assert self.draft is not None
-            return DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len, self.target.config.vocab_size)
+            return DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len, self.target.config.vocab_size,
+                                     self._draft_head)
         return None
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:

@@ -80,6 +80,7 @@ class Aggregate:
     verify_cost: float | None  # r
     predicted_speedup: float | None
     mismatches: int
+    tau_model_speedup: float | None = None  # tau / (c + r): measured tokens per round over its cost
 
     def to_dict(self) -> dict[str, object]:
         return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -179,8 +180,10 @@ def aggregate(records: Iterable[Record], reference: str = "ar") -> list[Aggregat
             if alpha is not None and k is not None and verify_cost > 0:
                 predicted = leviathan_speedup(alpha, k, c_tok, verify_cost)
         tau = _div(s.accepted + s.rounds, s.rounds) if s.rounds else None
+        tau_model = tau / (draft_cost + verify_cost) if tau and verify_cost else None
         out.append(Aggregate(method, cat, s.prompts, s.tokens, s.seconds, s.tps, s.decode_tps, speedup,
-                             decode_speedup, alpha, tau, k, draft_cost, verify_cost, predicted, s.mismatches))
+                             decode_speedup, alpha, tau, k, draft_cost, verify_cost, predicted, s.mismatches,
+                             tau_model))
     order = {c: i for i, c in enumerate(dict.fromkeys(cat for cat, _ in groups))}
     order[ALL] = len(order) + 1
     return sorted(out, key=lambda a: order[a.category])

@@ -8,7 +8,6 @@ produced tokens different from `ar`'s (an exactness failure), after writing its 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from rich.console import Console
@@ -47,7 +46,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     for action in m._actions:  # the shared --method (one method) does not apply here: --methods does
         if action.dest == "method":
             action.help = argparse.SUPPRESS
-    m.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="methods to compare")
+    m.add_argument("--methods", nargs="+", default=list(METHODS),
+                   help="methods to compare: ar, draft, lookup, or variants such as draft:k=4,schedule=fixed "
+                        "(keys: k, schedule, max_k, conf, vocab, ngram)")
     m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
     m.add_argument("--categories", nargs="+", default=[], help="Spec-Bench categories (e.g. summarization rag)")
     m.add_argument("--count", type=int, default=20, help="prompts per category")
@@ -94,7 +95,7 @@ def _methods(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli import load_engine
-    from ..engine import Engine
+    from ..engine import Engine, parse_method
     from ..hub import resolve_model
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers
@@ -108,12 +109,13 @@ def _methods(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     err = Console(stderr=True)
 
-    need_draft = "draft" in cfg.methods
+    need_draft = any(m.partition(":")[0] == "draft" for m in cfg.methods)
     ns = argparse.Namespace(**vars(args))
     ns.method, ns.draft = ("draft", args.draft) if need_draft else ("ar", None)
     base = load_engine(ns)
-    engines = {name: Engine(base.target, base.draft if name == "draft" else None,
-                            dataclasses.replace(base.method, name=name)) for name in cfg.methods}
+    specs = {name: parse_method(name, base.method) for name in cfg.methods}
+    engines = {name: Engine(base.target, base.draft if spec.name == "draft" else None, spec)
+               for name, spec in specs.items()}
     peers = None
     if "transformers" in args.against:
         with err.status("loading the models in transformers (float32)"):
@@ -127,6 +129,7 @@ def _methods(args: argparse.Namespace) -> int:
         "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
         "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},
         "min_confidence": base.method.draft_model.min_confidence, "lookup_max_ngram": base.method.lookup.max_ngram,
+        "draft_vocab": base.method.draft_model.vocab,
     }
     tables = methods_tables(result)
     console = stdout_console()

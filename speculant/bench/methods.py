@@ -32,9 +32,10 @@ class MethodsConfig:
     def __post_init__(self) -> None:
         if not self.methods:
             raise SpeculantError("--methods needs at least one method")
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m.partition(":")[0] not in METHODS]
         if bad:
-            raise SpeculantError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}")
+            raise SpeculantError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)} "
+                                 "(variants: e.g. draft:k=4,schedule=fixed,conf=0.4,vocab=32768)")
         if len(set(self.methods)) != len(self.methods):
             raise SpeculantError("--methods lists a method twice")
         if self.max_new_tokens < 2:
@@ -124,15 +125,15 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
 def methods_tables(result: MethodsResult) -> list[Table]:
     ref = result.config.reference
     cols = ("category", "method", "prompts", "tokens", "tok/s", "decode tok/s", "speedup", "decode speedup",
-            "predicted", "accept %", "tau", "k", "c", "r", "match")
+            "predicted", "tau model", "accept %", "tau", "k", "c", "r", "match")
     rows, styles = [], []
     for a in result.aggregates:
-        peer = a.method not in METHODS
+        peer = a.method.partition(":")[0] not in METHODS
         recs = [r for r in result.records if r.method == a.method and (a.category == ALL or r.category == a.category)]
         same = sum(bool(r.matches_reference) for r in recs)
         rows.append((a.category, a.method, str(a.prompts), fmt(a.generated_tokens), fmt(a.tokens_per_second, 2),
                      fmt(a.decode_tokens_per_second, 2), fmt(a.speedup, 2, "x"), fmt(a.decode_speedup, 2, "x"),
-                     fmt(a.predicted_speedup, 2, "x"),
+                     fmt(a.predicted_speedup, 2, "x"), fmt(a.tau_model_speedup, 2, "x"),
                      fmt(None if a.acceptance_rate is None else 100 * a.acceptance_rate, 1), fmt(a.tau, 2),
                      fmt(a.draft_len, 2), fmt(a.draft_cost, 3), fmt(a.verify_cost, 2), f"{same}/{len(recs)}"))
         styles.append("bold red" if a.mismatches else ("dim" if peer else None))
@@ -140,7 +141,8 @@ def methods_tables(result: MethodsResult) -> list[Table]:
         "tok/s = generated tokens / (prefill + decode s), prefill including the drafter's; decode tok/s = "
         "(tokens - 1) / decode s.",
         f"speedup = tok/s / tok/s of {ref} in the same run and category; predicted = Leviathan et al. "
-        "(1 - a^(k+1)) / ((1 - a)(k c_tok + r)) vs decode speedup.",
+        "(1 - a^(k+1)) / ((1 - a)(k c_tok + r)) (assumes i.i.d. acceptance); tau model = tau / (c + r) "
+        "(the measured tokens per round over the round's measured cost); both vs decode speedup.",
         "accept = accepted / drafted; tau = tokens per decode round; k = drafted per round; c = drafting s per "
         f"round / {ref} target s per round; r = target s per round / {ref}'s.",
         f"match = generations whose tokens equal {ref}'s (greedy exactness; for hf-* peers only informational).",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
+from ..models.quant import QLinear
 from ..models.transformer import Transformer
 from ..sampling import SamplingConfig, probs, sample
 from .base import Draft
@@ -22,18 +23,32 @@ from .base import Draft
 @dataclass(frozen=True, slots=True)
 class DraftModelConfig:
     min_confidence: float = 0.0  # 0 = never stop early
+    # Draft only among the first `vocab` token ids (0 = all). BPE ids follow merge order, so low ids
+    # are the frequent tokens; the draft's output projection shrinks with it (FR-Spec, Zhao et al.
+    # 2025). Exactness is unaffected: q is simply zero outside the subset.
+    vocab: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_confidence < 1.0:
             raise SpeculantError(f"draft min confidence must be in [0, 1), got {self.min_confidence}")
+        if self.vocab < 0:
+            raise SpeculantError(f"draft vocabulary must be >= 0 (0 = full), got {self.vocab}")
+
+
+def reduced_head(model: Transformer, cfg: DraftModelConfig) -> QLinear | None:
+    """The draft's output projection over its reduced vocabulary, or None for the full one."""
+    if 0 < cfg.vocab < model.cfg.vocab_size:
+        return model.lm_head.first_rows(cfg.vocab)
+    return None
 
 
 class DraftModelDrafter:
     name = "draft"
 
     def __init__(self, model: Transformer, sampling: SamplingConfig, cfg: DraftModelConfig, max_len: int,
-                 target_vocab: int) -> None:
+                 target_vocab: int, head: QLinear | None = None) -> None:
         self.model = model
+        self.head = head
         # Vocabularies may differ by padding rows only (checked up front): the draft never proposes
         # an id the target lacks, and q is laid out over the target's vocabulary.
         self.target_vocab = target_vocab
@@ -59,7 +74,7 @@ class DraftModelDrafter:
         threshold = self.cfg.min_confidence
         room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
         for _ in range(max(0, min(k, room))):
-            logits = self._fit(self.model(feed, self.cache, logit_rows=slice(-1, None)).logits[0])  # [V_target]
+            logits = self._fit(self.model(feed, self.cache, logit_rows=slice(-1, None), head=self.head).logits[0])  # [V_target]
             if greedy:
                 tok = logits.argmax(-1, keepdim=True)
                 if threshold > 0 and logits.softmax(-1).max() < threshold:

@@ -14,6 +14,7 @@ import torch
 from ..errors import SpeculantError
 from ..tokenizer import Tokenizer
 from .build import build_transformer
+from .calibration import CALIBRATION_TEXT
 from .cache import KVCache
 from .config import ModelConfig
 from .quant import WEIGHT_FORMATS
@@ -61,5 +62,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", prog
         src = GGUFSource(path)
         tokenizer = Tokenizer.from_gguf(src.fields)
     cache_dir = speculant_home() / "converted" if use_cache else None
-    model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name)
+    calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
+    model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
+                              calibration_ids=calib)
     return LoadedModel(name=spec, path=path, model=model.to(device), tokenizer=tokenizer, dtype=dtype)

@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import SpeculantError
 from .config import ModelConfig
 from .quant import QLinear, linear_from_state, make_linear
-from .transformer import Block, Transformer
+from .calibration import calibrate_layer
+from .transformer import Block, Transformer, rope_tables
 
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"
 _LINEARS = ("qkv", "o", "gate_up", "down")
 
 
@@ -63,7 +65,9 @@ def _float_layer(src: WeightSource, i: int) -> dict[str, Tensor]:
 
 
 def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, progress: bool = True,
-                      label: str = "model") -> Transformer:
+                      label: str = "model", calibration_ids: list[int] | None = None) -> Transformer:
+    """Assemble layer by layer. Quantised formats use `calibration_ids` (tokens of a fixed text) to
+    smooth activation outliers; they flow through the float32 layers as the model is built."""
     cfg = src.config
     cached = None
     if cache_dir is not None:
@@ -78,16 +82,26 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     states: dict[str, Tensor] = {}
     blocks: list[Block] = []
     with _progress(f"assembling {label} ({fmt})", cfg.n_layers + 1, progress) as advance:
+        embed = src.get("embed")
+        calib = fmt != "float32" and bool(calibration_ids)
+        if calib:
+            x = embed[torch.tensor(calibration_ids)]  # [T, D] calibration states, carried layer to layer
+            cos, sin = rope_tables(cfg, x.shape[0])
         for i in range(cfg.n_layers):
             fl = _float_layer(src, i)
-            lin = {n: make_linear(fl[n], fl["qkv_bias"] if n == "qkv" else None, fmt) for n in _LINEARS}
+            absmax: dict[str, Tensor] = {}
+            if calib:
+                absmax, x = calibrate_layer(cfg, fl, x, cos, sin, _LINEARS)
+            lin = {n: make_linear(fl[n], fl["qkv_bias"] if n == "qkv" else None, fmt, absmax.get(n)) for n in _LINEARS}
             blocks.append(Block(cfg, fl["attn_norm"], lin["qkv"], lin["o"], fl["ffn_norm"], lin["gate_up"], lin["down"]))
             _collect(states, f"layers.{i}.", fl, lin)
             advance()
-        embed = src.get("embed")
         head_w = embed if cfg.tie_embeddings else src.get("lm_head")
-        lm_head = make_linear(head_w, None, fmt)
         norm = src.get("norm")
+        head_absmax = None
+        if calib:
+            head_absmax = F.rms_norm(x, (cfg.dim,), norm, cfg.norm_eps).abs().amax(dim=0)
+        lm_head = make_linear(head_w, None, fmt, head_absmax)
         advance()
     if embed.shape != (cfg.vocab_size, cfg.dim):
         raise SpeculantError(f"embedding shape {tuple(embed.shape)} does not match the config ({cfg.vocab_size}, {cfg.dim})")

@@ -51,6 +51,36 @@ class Block(nn.Module):
         self.eps = cfg.norm_eps
         self.hidden_dim = cfg.hidden_dim
 
+    def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
+                mask: Tensor | None, row_wise: bool) -> Tensor:
+        """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1."""
+        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise)
+        h = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.eps))  # [S, 2F]
+        return x + self.down(F.silu(h[:, : self.hidden_dim]) * h[:, self.hidden_dim :])
+
+    def _attention(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
+                   mask: Tensor | None, row_wise: bool) -> Tensor:
+        S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
+        qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
+        qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
+        q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
+        k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
+        v_new = qkv[:, (H + Hkv) * hd :].view(S, Hkv, hd).transpose(0, 1)
+        k, v = cache.write(layer, start, k_new, v_new)  # [Hkv, L+S, hd]
+        if row_wise:
+            # Each query row attends with exactly the call plain decoding makes for that position, so a
+            # verification pass over k drafts reproduces one-token decoding bit for bit (batched SDPA
+            # reduces in a different order, and int8 activations turn such 1e-7 noise into real flips).
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[None, :, i : i + 1], k[None, :, : start + i + 1],
+                                               v[None, :, : start + i + 1], enable_gqa=True)
+                for i in range(S)
+            ], dim=2)
+        else:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+        return self.o(out[0].transpose(0, 1).reshape(S, H * hd))
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: Tensor, blocks: list[Block], norm: Tensor, lm_head: QLinear) -> None:
@@ -60,12 +90,9 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.Parameter(norm.float(), requires_grad=False)
         self.lm_head = lm_head
-        # Rotary tables computed in float32 the way HF does, so logits match the reference closely.
-        inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
-        t = torch.arange(cfg.context_length, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [ctx, hd/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = rope_tables(cfg, cfg.context_length)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +119,7 @@ class Transformer(nn.Module):
         mask: Tensor | None = None,  # [S, L+S] bool, True = attend
         taps: tuple[int, ...] = (),
         logit_rows: slice | Tensor | None = None,  # rows of logits to compute (default: all)
+        head: QLinear | None = None,  # output projection to use instead of lm_head (a draft's reduced vocabulary)
     ) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
@@ -107,39 +135,21 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed)  # [S, D]
         tapped: dict[int, Tensor] = {}
         for i, blk in enumerate(self.blocks):
-            h = F.rms_norm(x, (x.shape[-1],), blk.attn_norm, blk.eps)
-            x = x + self._attention(blk, i, h, cache, start, cos, sin, mask, row_wise)
-            h = blk.gate_up(F.rms_norm(x, (x.shape[-1],), blk.ffn_norm, blk.eps))  # [S, 2F]
-            x = x + blk.down(F.silu(h[:, : blk.hidden_dim]) * h[:, blk.hidden_dim :])
+            x = blk(x, cache, i, start, cos, sin, mask, row_wise)
             if i in taps:
                 tapped[i] = x
         cache.length = end
         if logit_rows is not None:
             x = x[logit_rows]
-        logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.norm_eps))
+        logits = (head or self.lm_head)(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.norm_eps))
         return Output(logits, tapped)
 
-    def _attention(self, blk: Block, layer: int, x: Tensor, cache: KVCache, start: int,
-                   cos: Tensor, sin: Tensor, mask: Tensor | None, row_wise: bool) -> Tensor:
-        S, H, Hkv, hd = x.shape[0], blk.n_heads, blk.n_kv, blk.hd
-        qkv = blk.qkv(x)  # [S, (H + 2 Hkv) hd]
-        qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
-        q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
-        k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
-        v_new = qkv[:, (H + Hkv) * hd :].view(S, Hkv, hd).transpose(0, 1)
-        k, v = cache.write(layer, start, k_new, v_new)  # [Hkv, L+S, hd]
-        if row_wise:
-            # Each query row attends with exactly the call plain decoding makes for that position, so a
-            # verification pass over k drafts reproduces one-token decoding bit for bit (batched SDPA
-            # reduces in a different order, and int8 activations turn such 1e-7 noise into real flips).
-            out = torch.cat([
-                F.scaled_dot_product_attention(q[None, :, i : i + 1], k[None, :, : start + i + 1],
-                                               v[None, :, : start + i + 1], enable_gqa=True)
-                for i in range(S)
-            ], dim=2)
-        else:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
-        return blk.o(out[0].transpose(0, 1).reshape(S, H * hd))
+
+def rope_tables(cfg: ModelConfig, n: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [n, hd/2] for positions 0..n-1, in float32 the way HF computes them."""
+    inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
