@@ -80,7 +80,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
         try:
             parts.setdefault(group, {})[field_name] = cast(value)
         except ValueError:
-            raise SpeculantError(f"method option {key} needs a {cast.__name__}, got {value!r}") from None
+            raise SpeculantError(f"method option {key} must be {cast.__name__}, got {value!r}") from None
     dl = cfg.draft_length
     if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"]:
         parts["draft_length"]["max_k"] = max(dl.max_k, int(parts["draft_length"]["k"]))

@@ -172,3 +172,29 @@ def test_generation_stops_at_the_end_of_the_context():
     assert done.finish_reason == "length" and 10 + len(done.token_ids) <= 25
     ref = Engine(target).generate(list(range(10)), GenerationConfig(max_new_tokens=100))
     assert ref.token_ids == done.token_ids
+
+
+def test_reduced_draft_vocabulary_stays_exact(pair):
+    target, draft = pair
+    gen = GenerationConfig(max_new_tokens=30)
+    ref = Engine(target).generate(PROMPT, gen).token_ids
+    e = Engine(target, draft, MethodConfig("draft", draft_model=DraftModelConfig(vocab=12)))
+    done = e.generate(PROMPT, gen)
+    assert done.token_ids == ref
+    sampled = e.generate(PROMPT, GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(1.0, seed=5)))
+    assert len(sampled.token_ids) == 30
+
+
+def test_parse_method_variants():
+    from speculant.engine import parse_method
+
+    m = parse_method("draft:k=3,schedule=fixed,conf=0.4,vocab=32768")
+    assert (m.name, m.draft_length.k, m.draft_length.schedule) == ("draft", 3, "fixed")
+    assert (m.draft_model.min_confidence, m.draft_model.vocab) == (0.4, 32768)
+    assert parse_method("lookup:ngram=5,k=20").draft_length.max_k == 20
+    with pytest.raises(SpeculantError, match="bad method option"):
+        parse_method("draft:speed=11")
+    with pytest.raises(SpeculantError, match="must be int"):
+        parse_method("draft:k=many")
+    with pytest.raises(SpeculantError, match="unknown method"):
+        parse_method("medusa:k=2")
