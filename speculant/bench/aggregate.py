@@ -52,8 +52,8 @@ class Record:
 
     @classmethod
     def from_stats(cls, prompt_id: str, category: str, stats: Stats, *, matches_reference: bool | None = None,
-                   first_mismatch: int | None = None) -> Record:
-        return cls(prompt_id, category, stats.method, stats.prompt_tokens, stats.generated_tokens,
+                   first_mismatch: int | None = None, method: str | None = None) -> Record:
+        return cls(prompt_id, category, method or stats.method, stats.prompt_tokens, stats.generated_tokens,
                    stats.prefill_seconds + stats.decode_seconds, stats.prefill_seconds, stats.decode_seconds,
                    stats.rounds, stats.drafted_tokens, stats.accepted_tokens, stats.draft_seconds,
                    stats.target_seconds, matches_reference, first_mismatch)

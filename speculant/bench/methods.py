@@ -106,7 +106,7 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
                     reference = done.token_ids
                 diff = first_difference(reference, done.token_ids)
                 rec = Record.from_stats(prompt.id, prompt.category, done.stats, matches_reference=diff is None,
-                                        first_mismatch=diff)
+                                        first_mismatch=diff, method=name)  # variants keep their own row
                 if diff is not None:
                     err.print(f"[bold red]MISMATCH[/bold red] {prompt.category} {prompt.id}: {name} differs from "
                               f"{cfg.reference} at token {diff}")
