@@ -65,12 +65,17 @@ _SPEC_KEYS = {
 }
 
 
+def method_name(spec: str) -> str:
+    """The method a spec such as 'draft:k=4' runs ('draft')."""
+    return spec.partition(":")[0].strip()
+
+
 def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     """'draft:k=4,schedule=fixed,conf=0.4' -> a MethodConfig (unset fields come from `base`)."""
     from dataclasses import replace
 
-    name, _, opts = spec.partition(":")
-    cfg = replace(base or MethodConfig(), name=name.strip())
+    opts = spec.partition(":")[2]
+    cfg = replace(base or MethodConfig(), name=method_name(spec))
     parts: dict[str, dict[str, object]] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, eq, value = item.partition("=")
@@ -107,6 +112,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.method = method or MethodConfig("draft" if draft is not None else "ar")
+        self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
         if self.method.name == "draft":
             if draft is None:
                 raise SpeculantError("--method draft needs a draft model (--draft MODEL)")

@@ -95,7 +95,7 @@ def _methods(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli import load_engine
-    from ..engine import Engine, parse_method
+    from ..engine import Engine, method_name, parse_method
     from ..hub import resolve_model
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers
@@ -109,7 +109,7 @@ def _methods(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     err = Console(stderr=True)
 
-    need_draft = any(m.partition(":")[0] == "draft" for m in cfg.methods)
+    need_draft = any(method_name(m) == "draft" for m in cfg.methods)
     ns = argparse.Namespace(**vars(args))
     ns.method, ns.draft = ("draft", args.draft) if need_draft else ("ar", None)
     base = load_engine(ns)

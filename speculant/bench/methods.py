@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..engine import METHODS, Engine, GenerationConfig
+from ..engine import METHODS, Engine, GenerationConfig, method_name
 from ..errors import SpeculantError
 from .aggregate import ALL, Aggregate, Record, aggregate, first_difference
 from .peers import TransformersPeers
@@ -32,7 +32,7 @@ class MethodsConfig:
     def __post_init__(self) -> None:
         if not self.methods:
             raise SpeculantError("--methods needs at least one method")
-        bad = [m for m in self.methods if m.partition(":")[0] not in METHODS]
+        bad = [m for m in self.methods if method_name(m) not in METHODS]
         if bad:
             raise SpeculantError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)} "
                                  "(variants: e.g. draft:k=4,schedule=fixed,conf=0.4,vocab=32768)")
@@ -128,7 +128,7 @@ def methods_tables(result: MethodsResult) -> list[Table]:
             "predicted", "tau model", "accept %", "tau", "k", "c", "r", "match")
     rows, styles = [], []
     for a in result.aggregates:
-        peer = a.method.partition(":")[0] not in METHODS
+        peer = method_name(a.method) not in METHODS
         recs = [r for r in result.records if r.method == a.method and (a.category == ALL or r.category == a.category)]
         same = sum(bool(r.matches_reference) for r in recs)
         rows.append((a.category, a.method, str(a.prompts), fmt(a.generated_tokens), fmt(a.tokens_per_second, 2),

@@ -74,7 +74,8 @@ class DraftModelDrafter:
         threshold = self.cfg.min_confidence
         room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
         for _ in range(max(0, min(k, room))):
-            logits = self._fit(self.model(feed, self.cache, logit_rows=slice(-1, None), head=self.head).logits[0])  # [V_target]
+            out = self.model(feed, self.cache, logit_rows=slice(-1, None), head=self.head)
+            logits = self._fit(out.logits[0])  # [V_target]
             if greedy:
                 tok = logits.argmax(-1, keepdim=True)
                 if threshold > 0 and logits.softmax(-1).max() < threshold:
