@@ -19,10 +19,13 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
-    p.add_argument("--draft", "-d", default=None, help="draft model for --method draft (preset, .gguf or HF folder)")
-    p.add_argument("--method", choices=("ar", "draft", "lookup"), default=None,
-                   help="decoding method (default: draft if --draft is given, else ar)")
-    p.add_argument("--dtype", default=None, help="weight format: float32 (reference) or int8 (default on x86 CPUs)")
+    p.add_argument("--draft", "-d", default=None,
+                   help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
+    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid"), default=None,
+                   help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
+                        "(lookup where it matches, the draft model elsewhere); default: hybrid if --draft is given, "
+                        "else ar")
+    p.add_argument("--dtype", default=None, help="weight format: float32 (reference), int8, or int4 (default on x86 CPUs with AVX2 and gcc)")
     p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,
@@ -33,6 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only among the first N token ids (smaller draft output layer; 0 = all)")
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
+    p.add_argument("--ngram-min", type=int, default=None,
+                   help="shortest n-gram prompt lookup (and hybrid's lookup) accepts as a match")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -77,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
-    from .engine import Engine, MethodConfig
+    from .engine import MODEL_METHODS, Engine, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
     from .methods.lookup import LookupConfig
@@ -85,18 +90,19 @@ def load_engine(args: argparse.Namespace):
     from .runtime import configure_threads
 
     configure_threads(args.threads)
-    method = args.method or ("draft" if args.draft else "ar")
-    if method == "draft" and not args.draft:
-        raise SpeculantError(f"--method draft needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
-    if method != "draft" and args.draft:
-        raise SpeculantError(f"--draft is only used with --method draft, not {method}")
-    dl, dm = DraftLengthConfig(), DraftModelConfig()
+    method = args.method or ("hybrid" if args.draft else "ar")  # hybrid: the fastest measured (README)
+    if method in MODEL_METHODS and not args.draft:
+        raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
+    if method not in MODEL_METHODS and args.draft:
+        raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
+    dl, dm, lk = DraftLengthConfig(), DraftModelConfig(), LookupConfig()
     k = args.draft_tokens if args.draft_tokens is not None else dl.k
     mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)
     cfg = MethodConfig(
         method,
         DraftLengthConfig(k, args.draft_schedule or dl.schedule, mk),
-        LookupConfig(max_ngram=args.ngram) if args.ngram is not None else LookupConfig(),
+        LookupConfig(args.ngram if args.ngram is not None else lk.max_ngram,
+                     args.ngram_min if args.ngram_min is not None else lk.min_ngram),
         DraftModelConfig(
             args.min_confidence if args.min_confidence is not None else dm.min_confidence,
             args.draft_vocab if args.draft_vocab is not None else dm.vocab,

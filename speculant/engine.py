@@ -21,6 +21,7 @@ import torch
 from .errors import SpeculantError
 from .methods.base import DraftLength, DraftLengthConfig, Drafter
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
+from .methods.hybrid import HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
 from .sampling import SamplingConfig, probs, sample
@@ -28,7 +29,8 @@ from .stats import Stats
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
 
-METHODS = ("ar", "draft", "lookup")
+METHODS = ("ar", "draft", "lookup", "hybrid")
+MODEL_METHODS = ("draft", "hybrid")  # the methods that need a draft model
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ _SPEC_KEYS = {
     "k": ("draft_length", "k", int), "schedule": ("draft_length", "schedule", str),
     "max_k": ("draft_length", "max_k", int), "conf": ("draft_model", "min_confidence", float),
     "vocab": ("draft_model", "vocab", int), "ngram": ("lookup", "max_ngram", int),
+    "ngram_min": ("lookup", "min_ngram", int),
 }
 
 
@@ -111,11 +114,11 @@ class Engine:
                  method: MethodConfig | None = None) -> None:
         self.target = target
         self.draft = draft
-        self.method = method or MethodConfig("draft" if draft is not None else "ar")
+        self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
         self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
-        if self.method.name == "draft":
+        if self.method.name in MODEL_METHODS:
             if draft is None:
-                raise SpeculantError("--method draft needs a draft model (--draft MODEL)")
+                raise SpeculantError(f"--method {self.method.name} needs a draft model (--draft MODEL)")
             check_compatible(target, draft)
             self._draft_head = reduced_head(draft.model, self.method.draft_model)
         self.tokenizer = target.tokenizer
@@ -145,10 +148,11 @@ class Engine:
         m = self.method
         if m.name == "lookup":
             return LookupDrafter(m.lookup, self.target.model.device)
-        if m.name == "draft":
+        if m.name in MODEL_METHODS:
             assert self.draft is not None
-            return DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len, self.target.config.vocab_size,
-                                     self._draft_head)
+            model = DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len,
+                                      self.target.config.vocab_size, self._draft_head)
+            return model if m.name == "draft" else HybridDrafter(LookupDrafter(m.lookup, self.target.model.device), model)
         return None
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:

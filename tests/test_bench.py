@@ -230,9 +230,9 @@ def test_fidelity_and_measure_model(tiny) -> None:
     ids = bench_ids(lambda s: [ord(c) % 32 for c in s], 50)
     assert len(ids) == 50
     a = text_logits(tiny.model, ids[:20])
-    same = compare_logits("tiny", a, a.clone())
+    same = compare_logits("tiny", "int8", a, a.clone())
     assert same.max_abs_logit_diff == 0.0 and same.top1_agreement == 1.0 and same.positions == 20
-    noisy = compare_logits("tiny", a, a + 0.5)
+    noisy = compare_logits("tiny", "int8", a, a + 0.5)
     assert noisy.max_abs_logit_diff == pytest.approx(0.5, abs=1e-5) and noisy.top1_agreement == 1.0
     cfg = SpeedConfig(models=("tiny",), dtypes=("float32",), tokens=4, cache=20, repeats=1, ks=(1, 2))
     row = measure_model(tiny.model, "tiny", "float32", ids[:20], cfg, bandwidth=10.0)
@@ -241,7 +241,7 @@ def test_fidelity_and_measure_model(tiny) -> None:
     assert row.curve_ratio(1) == pytest.approx(1.0)
     res = SpeedResult(cfg, 1, 10.0, [row], [same])
     tables = speed_tables(res)
-    assert [t.title for t in tables] == ["bench speed", "int8 vs float32 fidelity"]
+    assert [t.title for t in tables] == ["bench speed", "fidelity vs float32"]
     assert tables[0].rows[0][:3] == ("tiny", "speculant", "float32")
     assert json.loads(json.dumps(res.to_dict(), default=str))["rows"][0]["model"] == "tiny"
 

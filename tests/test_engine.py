@@ -11,6 +11,7 @@ from speculant.engine import Chunk, Done, Engine, GenerationConfig, MethodConfig
 from speculant.errors import SpeculantError
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
+from speculant.methods.lookup import LookupConfig
 from speculant.sampling import SamplingConfig, probs
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
@@ -31,6 +32,8 @@ def engines(target, draft, **dl):
         "draft": Engine(target, draft, MethodConfig("draft", cfg)),
         "self": Engine(target, target, MethodConfig("draft", cfg)),
         "confident": Engine(target, draft, MethodConfig("draft", cfg, draft_model=DraftModelConfig(0.5))),
+        "hybrid": Engine(target, draft, MethodConfig("hybrid", cfg)),
+        "hybrid-2": Engine(target, draft, MethodConfig("hybrid", cfg, LookupConfig(max_ngram=3, min_ngram=2))),
     }
 
 
@@ -59,7 +62,7 @@ def test_stats_are_consistent(pair):
     assert s.mean_accepted_tokens == pytest.approx(29 / s.rounds)
 
 
-@pytest.mark.parametrize("method", ["ar", "lookup", "draft"])
+@pytest.mark.parametrize("method", ["ar", "lookup", "draft", "hybrid"])
 def test_stop_token_in_the_middle_of_an_accepted_run(pair, method):
     target, draft = pair
     e = engines(target, draft)["self" if method == "draft" else method]
@@ -86,7 +89,7 @@ def test_stop_strings_cut_text_and_stream_equals_final_text(pair):
     assert "".join(ev.text for ev in events if isinstance(ev, Chunk)) == done.text
 
 
-@pytest.mark.parametrize("method", ["ar", "lookup", "draft"])
+@pytest.mark.parametrize("method", ["ar", "lookup", "draft", "hybrid"])
 def test_seeded_sampling_repeats_exactly(pair, method):
     target, draft = pair
     e = engines(target, draft)[method]
@@ -117,6 +120,7 @@ def _exact_marginals(target, prompt, sampling, n_tokens):
 @pytest.mark.parametrize("method, sampling", [
     ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9)),
     ("lookup", SamplingConfig(1.3)),
+    ("hybrid", SamplingConfig(1.0, top_p=0.8)),
 ])
 def test_every_generated_position_has_the_targets_distribution(method, sampling):
     """Speculative sampling through the whole engine reproduces target-only sampling (chi-square).
@@ -129,7 +133,9 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
     exp = _exact_marginals(target, prompt, sampling, n_tok)
-    e = Engine(target, draft if method == "draft" else None, MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed")))
+    # hybrid: only 3-gram matches use lookup, so some rounds are drafted by lookup, others by the model
+    e = Engine(target, draft if method in ("draft", "hybrid") else None,
+               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), LookupConfig(3, min_ngram=3)))
     counts = torch.zeros(n_tok, V)
     drafted = accepted = 0
     for i in range(runs):

@@ -15,21 +15,24 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def models(real_model_cache):
-    return real_model_cache(TARGET, "int8"), real_model_cache(DRAFT, "int8")
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def models(request, real_model_cache):
+    # Exactness is relative to the target as it runs, in each fast weight format.
+    return real_model_cache(TARGET, request.param), real_model_cache(DRAFT, request.param)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_draft_and_lookup_match_autoregressive_greedy(models, prompt):
+def test_draft_lookup_and_hybrid_match_autoregressive_greedy(models, prompt):
     target, draft = models
     gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
     ref = Engine(target).generate(prompt, gen)
     assert len(ref.token_ids) == 64
     spec = Engine(target, draft, MethodConfig("draft")).generate(prompt, gen)
     look = Engine(target, method=MethodConfig("lookup")).generate(prompt, gen)
+    hybrid = Engine(target, draft, MethodConfig("hybrid")).generate(prompt, gen)
     assert spec.token_ids == ref.token_ids
     assert look.token_ids == ref.token_ids
+    assert hybrid.token_ids == ref.token_ids
     assert spec.stats.accepted_tokens > 0 and spec.stats.target_forwards < ref.stats.target_forwards
 
 

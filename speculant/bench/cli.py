@@ -47,8 +47,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         if action.dest == "method":
             action.help = argparse.SUPPRESS
     m.add_argument("--methods", nargs="+", default=list(METHODS),
-                   help="methods to compare: ar, draft, lookup, or variants such as draft:k=4,schedule=fixed "
-                        "(keys: k, schedule, max_k, conf, vocab, ngram)")
+                   help="methods to compare: ar, draft, lookup, hybrid, or variants such as draft:k=4,schedule=fixed "
+                        "(keys: k, schedule, max_k, conf, vocab, ngram, ngram_min)")
     m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
     m.add_argument("--categories", nargs="+", default=[], help="Spec-Bench categories (e.g. summarization rag)")
     m.add_argument("--count", type=int, default=20, help="prompts per category")
@@ -95,7 +95,7 @@ def _methods(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli import load_engine
-    from ..engine import Engine, method_name, parse_method
+    from ..engine import MODEL_METHODS, Engine, method_name, parse_method
     from ..hub import resolve_model
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers
@@ -109,12 +109,12 @@ def _methods(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     err = Console(stderr=True)
 
-    need_draft = any(method_name(m) == "draft" for m in cfg.methods)
+    need_draft = any(method_name(m) in MODEL_METHODS for m in cfg.methods)
     ns = argparse.Namespace(**vars(args))
     ns.method, ns.draft = ("draft", args.draft) if need_draft else ("ar", None)
     base = load_engine(ns)
     specs = {name: parse_method(name, base.method) for name in cfg.methods}
-    engines = {name: Engine(base.target, base.draft if spec.name == "draft" else None, spec)
+    engines = {name: Engine(base.target, base.draft if spec.name in MODEL_METHODS else None, spec)
                for name, spec in specs.items()}
     peers = None
     if "transformers" in args.against:

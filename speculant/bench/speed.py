@@ -105,6 +105,7 @@ class SpeedRow:
 @dataclass(frozen=True, slots=True)
 class Fidelity:
     model: str
+    weights: str  # the quantised format compared with float32
     positions: int
     max_abs_logit_diff: float
     top1_agreement: float  # fraction of positions whose argmax agrees
@@ -197,12 +198,12 @@ def text_logits(model: Transformer, ids: Sequence[int]) -> Tensor:
     return model(torch.tensor(list(ids), device=model.device), cache).logits.float().cpu()
 
 
-def compare_logits(model: str, reference: Tensor, other: Tensor) -> Fidelity:
+def compare_logits(model: str, weights: str, reference: Tensor, other: Tensor) -> Fidelity:
     if reference.shape != other.shape:
         raise SpeculantError(f"logit shapes differ: {tuple(reference.shape)} vs {tuple(other.shape)}")
     diff = float((reference - other).abs().max())
     agree = float((reference.argmax(-1) == other.argmax(-1)).float().mean())
-    return Fidelity(model, reference.shape[0], diff, agree)
+    return Fidelity(model, weights, reference.shape[0], diff, agree)
 
 
 def measure_model(model: Transformer, name: str, weights: str, ids: Sequence[int], cfg: SpeedConfig,

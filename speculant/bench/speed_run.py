@@ -1,7 +1,7 @@
 """Running `speculant bench speed`: models x weight formats (+ llama.cpp), then the report tables.
 
 Models are loaded one at a time (the largest in float32 is several GB) and freed before the next;
-the fidelity text's logits are kept per model so float32 and int8 can be compared afterwards.
+the fidelity text's logits are kept per model so each quantised format can be compared with float32 afterwards.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                 del lm
                 gc.collect()
                 bar.advance(task)
-            if "float32" in logits and "int8" in logits:
-                result.fidelity.append(compare_logits(spec, logits["float32"], logits["int8"]))
+            for dtype in (d for d in logits if d != "float32" and "float32" in logits):
+                result.fidelity.append(compare_logits(spec, dtype, logits["float32"], logits[dtype]))
             if want_llama and ids:
                 bar.update(task, description=f"{spec} (llama.cpp): measuring")
                 result.rows.append(_llama_row(resolve_model(spec), spec, ids, cfg, threads, result.bandwidth_gbps))
@@ -111,8 +111,8 @@ def speed_tables(result: SpeedResult) -> list[Table]:
     )
     tables = [Table("bench speed", cols, tuple(rows), notes)]
     if result.fidelity:
-        frows = tuple((f.model, str(f.positions), fmt(f.max_abs_logit_diff, 4), fmt(100 * f.top1_agreement, 1))
+        frows = tuple((f.model, f.weights, str(f.positions), fmt(f.max_abs_logit_diff, 4), fmt(100 * f.top1_agreement, 1))
                       for f in result.fidelity)
-        tables.append(Table("int8 vs float32 fidelity", ("model", "positions", "max |logit diff|", "top-1 agree %"),
+        tables.append(Table("fidelity vs float32", ("model", "weights", "positions", "max |logit diff|", "top-1 agree %"),
                             frows, ("logits of both formats at every position of the fixed benchmark text.",)))
     return tables

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from ..errors import SpeculantError
 
-WeightFormat = Literal["float32", "int8"]
-WEIGHT_FORMATS: tuple[str, ...] = ("float32", "int8")
+WeightFormat = Literal["float32", "int8", "int4"]
+WEIGHT_FORMATS: tuple[str, ...] = ("float32", "int8", "int4")
 
 
 class QLinear(nn.Module):
@@ -167,8 +167,16 @@ def make_linear(weight: Tensor, bias: Tensor | None, fmt: str, act_absmax: Tenso
         return FloatLinear(weight, bias)
     if fmt == "int8":
         return Int8Linear.from_float(weight, bias, act_absmax)
+    if fmt == "int4":
+        from .int4 import Int4Linear  # lazy: int4 imports this module
+
+        return Int4Linear.from_float(weight, bias, act_absmax)
     raise SpeculantError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def linear_from_state(st: dict[str, Tensor], fmt: str) -> QLinear:
+    if fmt == "int4":
+        from .int4 import Int4Linear
+
+        return Int4Linear.from_state(st)
     return {"float32": FloatLinear, "int8": Int8Linear}[fmt].from_state(st)

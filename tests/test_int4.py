@@ -1,0 +1,176 @@
+"""int4 weights (speculant/models/int4.py + kernels/q4.c): accuracy, batch invariance, state round-trips."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from speculant.errors import SpeculantError
+from speculant.models.int4 import GROUP, Int4Linear, quantize_q4
+from speculant.models.quant import linear_from_state, make_linear
+
+
+def rnd(*shape, seed=0, std=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def reference(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """The same quantisation in plain torch: dequantised weights times per-32-group int8 activations."""
+    M, K = x.shape
+    xg = x.reshape(M, K // GROUP, GROUP)
+    d = xg.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, 0.0, 1.0 / d)
+    xq = (torch.round(xg * inv) * d).reshape(M, K)
+    y = xq.double() @ lin.dequantized().double().T
+    if lin.bias is not None:
+        y = y + lin.bias.double()
+    return y
+
+
+@pytest.mark.parametrize("N,K", [(8, 32), (40, 64), (13, 96), (72, 256)])
+def test_matches_torch_reference_of_the_same_quantisation(N, K):
+    lin = Int4Linear.from_float(rnd(N, K, seed=1), rnd(N, seed=2))
+    x = rnd(5, K, seed=3)
+    y = lin(x)
+    assert y.shape == (5, N) and y.dtype == torch.float32
+    ref = reference(lin, x)
+    assert ((y.double() - ref).norm() / ref.norm()) < 1e-5
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_close_to_float_matmul():
+    w, x = rnd(96, 512, seed=4), rnd(6, 512, seed=5)
+    y, yf = Int4Linear.from_float(w, None)(x), x @ w.T
+    # 16 levels per group of 32 gaussians: ~8% rms weight error is the floor for any 4-bit rounding
+    assert (y - yf).norm() / yf.norm() < 0.10
+
+
+def test_weight_rounding_error_is_small_and_scales_are_exact():
+    w = rnd(64, 256, seed=6, std=1e-3)  # tiny weights: the power-of-two gscale keeps fp16 scales normal
+    q, d16, gscale = quantize_q4(w)
+    assert q.min() >= -8 and q.max() <= 7
+    wd = q.float().reshape(64, -1, GROUP) * d16.float()[..., None] * gscale
+    assert (wd.reshape(64, 256) - w).norm() / w.norm() < 0.10
+    lin = Int4Linear.from_float(w, None)
+    torch.testing.assert_close(lin.dequantized(), wd.reshape(64, 256), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("N,K", [(24, 64), (19, 128), (256, 1536)])
+def test_rows_are_batch_invariant(N, K):
+    lin = Int4Linear.from_float(rnd(N, K, seed=7), rnd(N, seed=8))
+    x = rnd(20, K, seed=9)
+    x[3] *= 1000.0  # wildly different row scales must not leak into other rows
+    x[5] = 0.0
+    alone = [lin(x[i : i + 1])[0] for i in range(20)]
+    for M in list(range(1, 17)) + [20]:
+        y = lin(x[:M])
+        for i in range(M):
+            assert torch.equal(y[i], alone[i]), (M, i)
+
+
+def test_thread_count_does_not_change_results():
+    lin = Int4Linear.from_float(rnd(512, 256, seed=10), None)
+    x = rnd(4, 256, seed=11)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_bias_is_added():
+    w, b, x = rnd(16, 64, seed=12), rnd(16, seed=13), rnd(3, 64, seed=14)
+    with_b, without = Int4Linear.from_float(w, b), Int4Linear.from_float(w, None)
+    torch.testing.assert_close(with_b(x), without(x) + b, rtol=1e-6, atol=1e-5)
+
+
+def test_state_round_trip_and_first_rows():
+    w, b, x = rnd(45, 96, seed=15), rnd(45, seed=16), rnd(4, 96, seed=17)
+    lin = make_linear(w, b, "int4")
+    assert isinstance(lin, Int4Linear) and lin.weight_bytes() == 48 * 96 // 2 + 48 * 3 * 2
+    again = linear_from_state(lin.state(), "int4")
+    assert torch.equal(again(x), lin(x))
+    head = lin.first_rows(21)
+    assert (head.out_features, head.in_features) == (21, 96)
+    assert torch.equal(head(x), lin(x)[:, :21])
+    assert torch.equal(lin.first_rows(16)(x), lin(x)[:, :16])
+
+
+def test_leading_dims_and_dtypes():
+    lin = Int4Linear.from_float(rnd(8, 64, seed=18), None)
+    x = rnd(2, 3, 64, seed=19)
+    assert torch.equal(lin(x), lin(x.reshape(6, 64)).reshape(2, 3, 8))
+    assert torch.equal(lin(x.double()), lin(x))
+    assert lin(torch.empty(0, 64)).shape == (0, 8)
+
+
+def test_input_size_not_multiple_of_32_is_a_clear_error():
+    with pytest.raises(SpeculantError, match="multiples of 32"):
+        Int4Linear.from_float(rnd(8, 48), None)
+    with pytest.raises(SpeculantError, match="multiples of 32"):
+        make_linear(rnd(8, 100), None, "int4")
+
+
+def test_activation_importance_weighting_runs():
+    w, act = rnd(16, 64, seed=20), rnd(64, seed=21).abs() + 0.1
+    lin = Int4Linear.from_float(w, None, act_absmax=act)
+    x = rnd(2, 64, seed=22)
+    assert (lin(x) - x @ w.T).norm() / (x @ w.T).norm() < 0.15
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_model_k_tokens_in_one_pass_equal_one_by_one(arch):
+    m = tiny_model(64, arch=arch, fmt="int4").model
+    prompt, new = torch.tensor([1, 5, 9, 2, 7]), torch.tensor([3, 8, 11, 4])
+    c1 = m.new_cache(32)
+    m(prompt, c1)
+    batched = m(new, c1).logits
+    c2 = m.new_cache(32)
+    m(prompt, c2)
+    single = torch.cat([m(new[i : i + 1], c2).logits for i in range(len(new))])
+    assert torch.equal(batched, single)
+
+
+@pytest.mark.parametrize("problem", ["cpu", "gcc"])
+def test_missing_avx2_or_gcc_is_a_clear_error(problem, monkeypatch, tmp_path):
+    from speculant.models import int4
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))  # no cached kernel: it would need building
+    if problem == "cpu":
+        monkeypatch.setattr(int4, "_cpu_ok", lambda: False)
+    else:
+        monkeypatch.setenv("SPECULANT_CC", "no-such-compiler-here")
+    int4._library.cache_clear()
+    try:
+        with pytest.raises(SpeculantError, match="use --dtype int8"):
+            make_linear(rnd(8, 64), None, "int4")
+    finally:
+        int4._library.cache_clear()
+
+
+def test_avx2_and_vnni_builds_agree_bit_for_bit():
+    from speculant.models import int4
+
+    if "avx_vnni" not in int4._cpu_flags():
+        pytest.skip("this CPU has no AVX-VNNI")
+    lin = Int4Linear.from_float(rnd(64, 256, seed=23), rnd(64, seed=24))
+    x = rnd(7, 256, seed=25)
+    x[2] *= 1e4
+    outs = []
+    for vnni in (False, True):
+        lin._fn = int4._library(vnni).q4_matmul
+        outs.append(lin(x))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_module_conversions_and_copies_keep_working():
+    import copy
+
+    lin = Int4Linear.from_float(rnd(16, 64, seed=26), rnd(16, seed=27))
+    x = rnd(2, 64, seed=28)
+    ref = lin(x)
+    assert torch.equal(lin.to("cpu").float()(x), ref)
+    assert torch.equal(copy.deepcopy(lin)(x), ref)
