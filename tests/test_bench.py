@@ -299,9 +299,9 @@ def test_cli_parser_defaults() -> None:
 
     args = build_parser().parse_args(["bench", "methods"])
     assert (args.model, args.draft, args.methods, args.count, args.max_tokens) == (
-        DEFAULT_TARGET, DEFAULT_DRAFT, ["ar", "draft", "lookup"], 20, 128)
+        DEFAULT_TARGET, DEFAULT_DRAFT, ["ar", "draft", "lookup", "hybrid"], 20, 128)
     args = build_parser().parse_args(["bench", "speed", "--models", "m", "--tokens", "16"])
-    assert (args.models, args.dtypes, args.tokens, args.cache, args.out) == (["m"], ["int8", "float32"], 16, 256,
+    assert (args.models, args.dtypes, args.tokens, args.cache, args.out) == (["m"], None, 16, 256,
                                                                             "bench_out")
 
 

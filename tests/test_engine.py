@@ -133,9 +133,11 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
     exp = _exact_marginals(target, prompt, sampling, n_tok)
-    # hybrid: only 3-gram matches use lookup, so some rounds are drafted by lookup, others by the model
+    # hybrid: only 3-gram matches use lookup, so some rounds are drafted by lookup, others by the model;
+    # plain lookup takes any match so that it drafts every round
+    lookup = LookupConfig(3, min_ngram=3 if method == "hybrid" else 1)
     e = Engine(target, draft if method in ("draft", "hybrid") else None,
-               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), LookupConfig(3, min_ngram=3)))
+               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), lookup))
     counts = torch.zeros(n_tok, V)
     drafted = accepted = 0
     for i in range(runs):

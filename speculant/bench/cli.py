@@ -29,7 +29,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     s = modes.add_parser("speed", help="prefill/decode tok/s, bandwidth use and verification cost per weight format")
     s.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="presets, .gguf files or HF folders")
-    s.add_argument("--dtypes", nargs="+", choices=WEIGHT_FORMATS, default=list(DEFAULT_DTYPES), help="weight formats")
+    s.add_argument("--dtypes", nargs="+", choices=WEIGHT_FORMATS, default=None,
+                   help=f"weight formats (default: {' '.join(DEFAULT_DTYPES)}, int4 where its kernel runs)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
     s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
@@ -74,7 +75,8 @@ def _speed(args: argparse.Namespace) -> int:
     from .speed import SpeedConfig
     from .speed_run import run_speed, speed_tables
 
-    cfg = SpeedConfig(models=tuple(args.models), dtypes=tuple(dict.fromkeys(args.dtypes)), tokens=args.tokens,
+    dtypes = args.dtypes or _default_dtypes()
+    cfg = SpeedConfig(models=tuple(args.models), dtypes=tuple(dict.fromkeys(dtypes)), tokens=args.tokens,
                       cache=args.cache, repeats=args.repeats, ks=tuple(sorted(set(args.ks))),
                       against=tuple(args.against), bandwidth_gib=args.bandwidth_gib)
     out = output_dir(args.out)
@@ -89,6 +91,12 @@ def _speed(args: argparse.Namespace) -> int:
              write_markdown(out / "speed.md", tables, "speculant bench speed")]
     err.print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _default_dtypes() -> list[str]:
+    from ..models.int4 import int4_available
+
+    return [d for d in DEFAULT_DTYPES if d != "int4" or int4_available()]
 
 
 def _methods(args: argparse.Namespace) -> int:

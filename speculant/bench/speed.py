@@ -23,7 +23,7 @@ from ..models.quant import WEIGHT_FORMATS
 from ..models.transformer import Transformer
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
-DEFAULT_DTYPES = ("int8", "float32")
+DEFAULT_DTYPES = ("int4", "int8", "float32")  # int4 only where its kernel builds (see default_dtypes)
 KS = (1, 2, 4, 8, 16)
 PEERS = ("llama-cpp",)
 WARMUP_STEPS = 4
