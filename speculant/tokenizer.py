@@ -21,7 +21,6 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from gguf import GGUFReader, GGUFValueType
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -331,26 +330,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def read_gguf_metadata(source: str | os.PathLike[str] | GGUFReader) -> dict[str, object]:
-    """Decoded key -> value metadata of a GGUF file (a path, or an open `GGUFReader` to share one).
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, object]:
+    """Decoded key -> value metadata of a GGUF file: strings, Python numbers/bools, lists for arrays."""
+    from .gguf_file import GGUFFile
 
-    Strings become `str`, arrays Python lists, numbers/bools Python scalars; tensor data is not read.
-    """
-    try:
-        reader = source if isinstance(source, GGUFReader) else GGUFReader(os.fspath(source))
-    except (OSError, ValueError) as e:
-        raise SpeculantError(f"cannot read GGUF metadata from {source}: {e}; check the file is a complete GGUF") from e
-    out: dict[str, object] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or not field.types:
-            continue
-        main, sub = field.types[0], field.types[-1]
-        if main == GGUFValueType.ARRAY and sub == GGUFValueType.STRING:
-            out[key] = [field.parts[i].tobytes().decode("utf-8", "replace") for i in field.data]
-        elif main == GGUFValueType.ARRAY and len(field.types) == 2:
-            out[key] = [v for i in field.data for v in field.parts[i].tolist()]
-        elif main == GGUFValueType.STRING:
-            out[key] = field.parts[-1].tobytes().decode("utf-8", "replace")
-        elif main != GGUFValueType.ARRAY:  # nested arrays are not used by tokenizers; skipped
-            out[key] = field.parts[-1].tolist()[0]
-    return out
+    return GGUFFile(path).fields

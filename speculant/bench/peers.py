@@ -35,12 +35,12 @@ def llama_cpp_available() -> bool:
 def gguf_weight_info(path: Path) -> tuple[int, str]:
     """(bytes of weights one decode step reads, the file's main tensor type) from GGUF metadata:
     every tensor but the token embedding, of which one row is read (unless it doubles as lm_head)."""
-    from gguf import GGUFReader
+    from ..gguf_file import GGUFFile
 
-    reader = GGUFReader(str(path))
-    names = {t.name for t in reader.tensors}
+    tensors = GGUFFile(path).tensors
+    names = {t.name for t in tensors}
     total, kinds = 0, Counter()
-    for t in reader.tensors:
+    for t in tensors:
         nbytes = int(t.n_bytes)
         if t.name == "token_embd.weight" and "output.weight" in names:
             nbytes = nbytes // max(1, int(t.shape[-1]))  # one row of [dim, vocab] (GGUF order)

@@ -1,6 +1,6 @@
-"""Weights and config from a GGUF file (llama.cpp's format), through the `gguf` package.
+"""Weights and config from a GGUF file (llama.cpp's format), read by `speculant.gguf_file`.
 
-Tensors are dequantised to float32 with `gguf.quants.dequantize` one at a time, on demand, so
+Tensors are dequantised to float32 by the `gguf` package one at a time, on demand, so
 assembling a quantised model never holds the whole float32 model in memory. Names are mapped to
 the canonical names `build.py` expects. GGUF llama files store q/k rows permuted for llama.cpp's
 interleaved rotary layout; we undo that so one rotate-half rotary serves every architecture.
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
+from ..gguf_file import GGUFFile, GGUFTensor
 from .config import ModelConfig
 
 _LAYER_NAMES = {
@@ -25,33 +26,14 @@ _LAYER_NAMES = {
 }
 
 
-def read_metadata(path: Path) -> tuple[object, dict[str, object]]:
-    """Open a GGUF file; return (reader, {key: decoded value}). Raises SpeculantError if unreadable."""
-    import gguf
-
-    from ..tokenizer import read_gguf_metadata
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-        fields = read_gguf_metadata(reader)
-    except Exception as e:  # the gguf package raises assorted errors on damaged files
-        raise SpeculantError(f"cannot read GGUF file {path}: it is corrupt or truncated ({type(e).__name__}: {e}); "
-                             "delete it and pull or download it again") from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise SpeculantError(f"GGUF file {path} is truncated (tensor {t.name} ends past the end of the file); "
-                                 "delete it and pull or download it again")
-    return reader, fields
-
-
 class GGUFSource:
     """A model's config and float32 tensors by canonical name, read lazily from a GGUF file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader, self.fields = read_metadata(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(path)
+        self.fields = self.file.fields
+        self.tensors = self.file.by_name
         self.config = self._config()
 
     def fingerprint(self) -> str:
@@ -118,16 +100,8 @@ class GGUFSource:
         _, i, part = name.split(".")
         return f"blk.{i}.{_LAYER_NAMES[part]}"
 
-    def _load(self, t: object) -> np.ndarray:
-        import gguf
-
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise SpeculantError(f"tensor {t.name} in {self.path} has type {t.tensor_type.name}, "
-                                 "which the gguf package cannot dequantize") from None
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
-        return np.require(arr.reshape(shape), dtype=np.float32, requirements=["C", "W"])  # writable copy if memmapped
+    def _load(self, t: GGUFTensor) -> np.ndarray:
+        return self.file.dequantize(t)
 
 
 def _unpermute(w: Tensor, n_heads: int) -> Tensor:
