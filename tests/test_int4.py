@@ -136,25 +136,25 @@ def test_tiny_model_k_tokens_in_one_pass_equal_one_by_one(arch):
 
 @pytest.mark.parametrize("problem", ["cpu", "gcc"])
 def test_missing_avx2_or_gcc_is_a_clear_error(problem, monkeypatch, tmp_path):
-    from speculant.models import int4
+    from speculant.models import native
 
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))  # no cached kernel: it would need building
     if problem == "cpu":
-        monkeypatch.setattr(int4, "_cpu_ok", lambda: False)
+        monkeypatch.setattr(native, "cpu_ok", lambda: False)
     else:
         monkeypatch.setenv("SPECULANT_CC", "no-such-compiler-here")
-    int4._library.cache_clear()
+    native.library.cache_clear()
     try:
         with pytest.raises(SpeculantError, match="use --dtype int8"):
             make_linear(rnd(8, 64), None, "int4")
     finally:
-        int4._library.cache_clear()
+        native.library.cache_clear()
 
 
 def test_avx2_and_vnni_builds_agree_bit_for_bit():
-    from speculant.models import int4
+    from speculant.models import int4, native
 
-    if "avx_vnni" not in int4._cpu_flags():
+    if "avx_vnni" not in native.cpu_flags():
         pytest.skip("this CPU has no AVX-VNNI")
     lin = Int4Linear.from_float(rnd(64, 256, seed=23), rnd(64, seed=24))
     x = rnd(7, 256, seed=25)
@@ -174,3 +174,38 @@ def test_module_conversions_and_copies_keep_working():
     ref = lin(x)
     assert torch.equal(lin.to("cpu").float()(x), ref)
     assert torch.equal(copy.deepcopy(lin)(x), ref)
+
+
+def _needs_bf16():
+    from speculant.models import native
+
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16: long passes use the integer kernel")
+
+
+@pytest.mark.parametrize("N,K", [(40, 64), (13, 96), (300, 256)])
+def test_long_passes_multiply_the_stored_weights_in_bf16(N, K, monkeypatch):
+    from speculant.models import int4
+
+    _needs_bf16()
+    monkeypatch.setattr(int4, "_BF16_CHUNK_BYTES", 64 * K * 2)  # several chunks, a ragged last one
+    lin = Int4Linear.from_float(rnd(N, K, seed=30), rnd(N, seed=31))
+    x = rnd(int4.BF16_MIN_ROWS + 9, K, seed=32)
+    y = lin(x)
+    # The expanded weights are exactly the stored ones rounded to bf16; the GEMM accumulates in fp32.
+    ref = (x.bfloat16().double() @ lin.dequantized().bfloat16().double().T + lin.bias.double())
+    assert y.shape == (x.shape[0], N) and y.dtype == torch.float32
+    assert ((y.double() - ref).norm() / ref.norm()) < 1e-2  # bf16 output rounding: ~2^-9
+    full = x.double() @ lin.dequantized().double().T + lin.bias.double()
+    # and at least as close to the stored weights as the integer kernel's 8-bit activations
+    integer = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])]).double()
+    assert (y.double() - full).norm() <= (integer - full).norm() * 1.1
+
+
+def test_short_passes_never_take_the_bf16_path():
+    from speculant.models import int4
+
+    lin = Int4Linear.from_float(rnd(24, 64, seed=33), None)
+    x = rnd(int4.BF16_MIN_ROWS, 64, seed=34)
+    single = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(lin(x), single)  # bit-identical: the integer kernel at every size up to the bound

@@ -25,6 +25,33 @@ def test_k_tokens_in_one_pass_equal_one_by_one(fmt, arch):
     assert c1.length == c2.length == 9
 
 
+@pytest.mark.parametrize("arch,heads,kv_heads,dim", [("llama", 4, 2, 32), ("qwen2", 6, 2, 96), ("qwen2", 2, 2, 256)])
+def test_native_attention_matches_torch_and_is_batch_invariant(arch, heads, kv_heads, dim, monkeypatch):
+    from speculant.models import transformer
+
+    if transformer.native_attention() is None:
+        pytest.skip("the native kernels cannot be built here: the torch path is the only one")
+    m = tiny_model(64, arch=arch, heads=heads, kv_heads=kv_heads, dim=dim, fmt="int4").model  # batch-invariant linears
+    prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))  # a batched prefill
+    new = torch.tensor([3, 8, 11, 4, 60, 1, 2])
+
+    def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fn = transformer.native_attention.__wrapped__() if native else None
+        monkeypatch.setattr(transformer, "native_attention", lambda: fn)
+        c = m.new_cache(64)
+        m(prompt, c)
+        batched = m(new, c).logits
+        c.rollback(len(prompt))
+        single = torch.cat([m(new[i : i + 1], c).logits for i in range(len(new))])
+        return batched, single, c.k[:, :, : c.length].clone()
+
+    nb, ns, nk = run(True)
+    tb, ts, tk = run(False)
+    assert torch.equal(nb, ns)  # rows are computed alike whatever their number: bit-identical
+    torch.testing.assert_close(nb, tb, atol=2e-5, rtol=2e-5)  # and the same attention as torch's
+    torch.testing.assert_close(nk, tk, atol=2e-5, rtol=2e-5)  # rotated keys written to the same slots
+
+
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
 def test_rollback_then_refeed_matches_never_going_further(fmt):
     m = tiny_model(64, fmt=fmt).model

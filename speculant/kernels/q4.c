@@ -206,6 +206,53 @@ int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qw, const uin
     return 0;
 }
 
+/* Long passes (prefill) on CPUs with AVX512-BF16: the weights of blocks [nb0, nb1) are expanded
+ * to bf16 rows out[(nb - nb0) * 8 + r][K] (q * d * gscale, rounded to nearest even) so that oneDNN's
+ * bf16 GEMM (AMX where present) multiplies them, several times faster than the integer kernel
+ * above once a pass has more than a few dozen rows. Only called where the CPU has the features
+ * named in the target attribute (int4.py checks), so the rest of this file stays AVX2-only. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void q4_dequant_bf16(const uint8_t *qw, const uint16_t *sc, int64_t K, int64_t nb0, int64_t nb1, float gscale,
+                     uint16_t *out, int nthreads) {
+    const int64_t G = K / QK;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t nb = nb0; nb < nb1; nb++) {
+        const uint8_t *q = qw + nb * G * 128;
+        const uint16_t *s = sc + nb * G * RB;
+        uint16_t *o = out + (nb - nb0) * RB * K;
+        const __m128i lo = _mm_set1_epi8(0x0f);
+        const __m512i eight = _mm512_set1_epi32(8);
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *qg = q + g * 128;
+            /* 4 x (8 rows x 4 bytes) -> per row the 16 bytes (v0[r], v1[r], v2[r], v3[r]) */
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(qg)), v1 = _mm256_loadu_si256((const __m256i *)(qg + 32));
+            __m256i v2 = _mm256_loadu_si256((const __m256i *)(qg + 64)), v3 = _mm256_loadu_si256((const __m256i *)(qg + 96));
+            __m256i t0 = _mm256_unpacklo_epi32(v0, v1), t1 = _mm256_unpackhi_epi32(v0, v1);
+            __m256i t2 = _mm256_unpacklo_epi32(v2, v3), t3 = _mm256_unpackhi_epi32(v2, v3);
+            __m256i rows[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                               _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+            const __m256 d8 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g * RB))),
+                                            _mm256_set1_ps(gscale));
+            float d[RB];
+            _mm256_storeu_ps(d, d8);
+            for (int j = 0; j < 4; j++) {
+                /* 128-bit lane 0 holds row j, lane 1 row j + 4 */
+                for (int h = 0; h < 2; h++) {
+                    const int r = j + 4 * h;
+                    const __m128i b = h ? _mm256_extracti128_si256(rows[j], 1) : _mm256_castsi256_si128(rows[j]);
+                    const __m512 dr = _mm512_set1_ps(d[r]);
+                    const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(b, lo)), eight);
+                    const __m512i qh = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo)), eight);
+                    uint16_t *row = o + (int64_t)r * K + g * QK;
+                    _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(ql), dr)));
+                    _mm256_storeu_si256((__m256i *)(row + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(qh), dr)));
+                }
+            }
+        }
+    }
+}
+
 /* Layout constants, checked by the Python side against what it packs. */
 int q4_block_rows(void) { return RB; }
 int q4_group_size(void) { return QK; }

@@ -11,88 +11,35 @@ Q8_0), computes exact integer group sums with AVX2 and accumulates them in float
 through the same instructions whatever the number of rows M, so a row's output is bit-identical
 whether it is computed alone or with others (speculative verification reproduces one-token decoding).
 
-The C source is compiled with gcc on first use into `$SPECULANT_HOME/kernels/` (default
-`~/.cache/speculant/kernels/`), under a name that includes a hash of the source and flags.
+The C source is compiled with gcc on first use (see native.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import SpeculantError
+from . import native
 from .quant import QLinear
+from .transformer import ROW_WISE_MAX
 
 GROUP = 32  # input channels per scale
 ROWS = 8  # output rows interleaved per block (must match RB in q4.c)
 _CANDIDATES = (7.0, 7.25, 7.5, 7.75, 8.0, 8.5, 9.0)  # |extreme| / scale tried per group
 _REFINE = 2  # least-squares refinements of the best candidate
-_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "q4.c"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
-_NEEDS = "--dtype int4 needs an x86-64 CPU with AVX2, FMA and F16C and gcc to build its kernel"
 
 
-def _cpu_flags() -> set[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _cpu_ok() -> bool:
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
-
-
-def _kernel_dir() -> Path:
-    env = os.environ.get("SPECULANT_HOME")
-    home = Path(env).expanduser() if env else Path.home() / ".cache" / "speculant"
-    return home / "kernels"
-
-
-def _build(gcc: str, flags: tuple[str, ...], src: Path, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        r = subprocess.run([gcc, *flags, str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            msg = (r.stderr or r.stdout).strip().splitlines()[-5:]
-            raise SpeculantError(f"{_NEEDS}; compiling {src.name} failed: {' | '.join(msg)}; use --dtype int8")
-        os.replace(tmp, out)  # atomic: a concurrent build or load sees the old file or the whole new one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load(gcc: str, code: bytes, flags: tuple[str, ...]) -> ctypes.CDLL:
-    digest = hashlib.sha256(code + "\0".join(flags).encode()).hexdigest()[:16]
-    out = _kernel_dir() / f"q4-{digest}.so"
-    for attempt in range(2):
-        if not out.exists():
-            _build(gcc, flags, _SOURCE, out)
-        try:
-            return ctypes.CDLL(str(out))
-        except OSError as e:
-            if attempt:
-                raise SpeculantError(f"{_NEEDS}; loading {out} failed ({e}); use --dtype int8") from None
-            out.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, never trusted
-    raise AssertionError("unreachable")
+def _library(vnni: bool | None = None) -> ctypes.CDLL:
+    lib = native.library(vnni)
+    if lib.q4_block_rows() != ROWS or lib.q4_group_size() != GROUP:
+        raise SpeculantError("the int4 kernel does not match speculant/models/int4.py; delete "
+                             f"{native.kernel_dir()} to rebuild it")
+    return lib
 
 
 def int4_available() -> bool:
@@ -104,41 +51,22 @@ def int4_available() -> bool:
     return True
 
 
-@functools.cache
-def _library(vnni: bool | None = None) -> ctypes.CDLL:
-    """The compiled kernel (built on first use; SpeculantError where it cannot run here).
+# Passes of more rows than this (prompt prefill) are multiplied as bf16 by oneDNN where the CPU has
+# AVX512-BF16 (AMX too on recent Xeons): the weights are expanded to bf16 a few thousand rows at a
+# time and one GEMM per chunk does the work, 3-5x faster than the integer kernel for 256-1024 rows
+# and closer to the stored weights (no 8-bit activations). Shorter passes (decoding, speculative
+# verification) always use the integer kernel, whose rows are batch-invariant. The same number
+# bounds the transformer's row-wise attention: both separate "prefill" from "decode".
+BF16_MIN_ROWS = ROW_WISE_MAX
+_BF16_CHUNK_BYTES = 32 << 20  # expand at most this much bf16 weight at a time
 
-    With AVX-VNNI (`vnni`, default: where the CPU has it) the integer dot products use vpdpbusd;
-    the sums are exact either way, so both builds give bit-identical results.
-    """
-    if not _cpu_ok():
-        raise SpeculantError(f"{_NEEDS}; this CPU lacks AVX2/FMA/F16C; use --dtype int8")
-    gcc = shutil.which(os.environ.get("SPECULANT_CC", "gcc"))
-    if gcc is None:
-        raise SpeculantError(f"{_NEEDS}; gcc was not found on PATH; install gcc or use --dtype int8")
-    try:
-        code = _SOURCE.read_bytes()
-    except OSError as e:
-        raise SpeculantError(f"{_NEEDS}; its source {_SOURCE} is missing ({e}); use --dtype int8") from None
-    torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernel shares its libgomp
-    lib = None
-    if vnni is None:
-        vnni = "avx_vnni" in _cpu_flags()
-    if vnni:
-        try:
-            lib = _load(gcc, code, _FLAGS + ("-mavxvnni",))
-        except SpeculantError:
-            lib = None  # an older gcc: the AVX2 build is as exact, only slower
-    if lib is None:
-        lib = _load(gcc, code, _FLAGS)
-    if lib.q4_block_rows() != ROWS or lib.q4_group_size() != GROUP:
-        raise SpeculantError("the int4 kernel does not match speculant/models/int4.py; delete "
-                             f"{_kernel_dir()} to rebuild it")
-    f = lib.q4_matmul
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_float, p, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return lib
+
+@functools.cache
+def bf16_prefill_available() -> bool:
+    """Whether long passes take the bf16 GEMM path (AVX512-BF16; $SPECULANT_INT4_PREFILL=int8 turns it off)."""
+    if os.environ.get("SPECULANT_INT4_PREFILL", "").lower() == "int8":
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= native.cpu_flags()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,11 +215,30 @@ class Int4Linear(QLinear):
         M, K = x.shape
         if K != self.in_features:
             raise ValueError(f"int4 linear expects {self.in_features} input features, got {K}")
+        if M > BF16_MIN_ROWS and bf16_prefill_available():
+            return self._forward_bf16(x)
         y = torch.empty(M, self.out_features, dtype=torch.float32)
         if M:
             q, s, n, b, gs = self._args
             if self._fn(x.data_ptr(), M, K, q, s, n, b, gs, y.data_ptr(), torch.get_num_threads()):
                 raise MemoryError("int4 matmul: out of memory for its activation scratch")
+        return y
+
+    def _forward_bf16(self, x: Tensor) -> Tensor:  # x [M, K] fp32, M > BF16_MIN_ROWS -> [M, N]
+        N, K = self.out_features, self.in_features
+        xb = x.to(torch.bfloat16)
+        y = torch.empty(x.shape[0], N, dtype=torch.float32)
+        step = max(ROWS, min(N, _BF16_CHUNK_BYTES // (2 * K)) // ROWS * ROWS)  # rows per chunk
+        w = torch.empty(min(step, N + (-N) % ROWS), K, dtype=torch.bfloat16)  # [rows, K] expanded weights
+        threads = torch.get_num_threads()
+        dequant = _library().q4_dequant_bf16
+        for n0 in range(0, N, step):
+            n1 = min(n0 + step, N)
+            nb0, nb1 = n0 // ROWS, -(-n1 // ROWS)
+            dequant(self.q4.data_ptr(), self.q4scale.data_ptr(), K, nb0, nb1, self.gscale, w.data_ptr(), threads)
+            y[:, n0:n1] = torch.mm(xb, w[: n1 - n0].T)
+        if self.bias is not None:
+            y += self.bias
         return y
 
     def weight_bytes(self) -> int:

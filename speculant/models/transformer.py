@@ -17,12 +17,14 @@ reference or a quantised format, swapped without touching this file.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import SpeculantError
 from .cache import KVCache
 from .config import ModelConfig
 from .quant import QLinear
@@ -63,23 +65,36 @@ class Block(nn.Module):
                    mask: Tensor | None, row_wise: bool) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
+        attn_rows = native_attention() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
+        if attn_rows is not None:
+            # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c)
+            qkv = qkv.contiguous()
+            out = torch.empty(S, H * hd, dtype=torch.float32)
+            rc = attn_rows(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
+                           cache.v[layer].data_ptr(), cache.max_len, start, out.data_ptr(), torch.get_num_threads())
+            if rc:
+                raise MemoryError(f"native attention failed ({rc})")
+            return self.o(out)
         qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
         q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
         k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
         v_new = qkv[:, (H + Hkv) * hd :].view(S, Hkv, hd).transpose(0, 1)
         k, v = cache.write(layer, start, k_new, v_new)  # [Hkv, L+S, hd]
         if row_wise:
-            # Each query row attends with exactly the call plain decoding makes for that position, so a
-            # verification pass over k drafts reproduces one-token decoding bit for bit (batched SDPA
-            # reduces in a different order, and int8 activations turn such 1e-7 noise into real flips).
+            # Each query row attends with exactly the calls plain decoding makes for that position, so
+            # a verification pass over k drafts reproduces one-token decoding bit for bit (batched
+            # attention reduces in a different order, and 8-bit activations turn such 1e-7 noise into
+            # real flips). Three plain ops per row: for one query SDPA's flash kernel costs more.
+            qs = (qk[:, :H] * hd**-0.5).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
             out = torch.cat([
-                F.scaled_dot_product_attention(q[None, :, i : i + 1], k[None, :, : start + i + 1],
-                                               v[None, :, : start + i + 1], enable_gqa=True)
+                torch.bmm(torch.bmm(qs[i], k[:, : start + i + 1].transpose(1, 2)).softmax(-1), v[:, : start + i + 1])
+                .view(1, H * hd)  # [Hkv, H/Hkv, hd] -> [1, H hd], heads in order
                 for i in range(S)
-            ], dim=2)
+            ])
         else:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
-        return self.o(out[0].transpose(0, 1).reshape(S, H * hd))
+            out = out[0].transpose(0, 1).reshape(S, H * hd)
+        return self.o(out)
 
 
 class Transformer(nn.Module):
@@ -143,6 +158,17 @@ class Transformer(nn.Module):
             x = x[logit_rows]
         logits = (head or self.lm_head)(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.norm_eps))
         return Output(logits, tapped)
+
+
+@functools.cache
+def native_attention():
+    """The C attention of short passes (speculant/kernels/attention.c), or None where it cannot be built."""
+    from . import native
+
+    try:
+        return native.library().attn_rows
+    except SpeculantError:
+        return None
 
 
 def rope_tables(cfg: ModelConfig, n: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,123 @@
+/* Attention of a short pass (decoding, speculative verification): rotary embedding, the KV cache
+ * write and causal attention row by row, in one call per layer.
+ *
+ * In torch this is some 20 small ops per layer for one new token and ~4 more per extra row, each
+ * costing microseconds of dispatch: a quarter of a decode step of the 0.5B draft. Here it is one
+ * call. Every (row, head) is computed start to finish by one thread with the same instructions
+ * whatever the number of rows S, so a row's output is bit-identical whether it is scored alone or
+ * with drafted tokens (speculative verification reproduces one-token decoding).
+ *
+ * Layouts (float32, contiguous):
+ *   qkv  [S][(H + 2 Hkv) hd]   projections after bias; q and k are rotated in place
+ *   cos, sin [S][hd/2]          rotate-half tables at the rows' positions
+ *   kc, vc   [Hkv][max_len][hd] this layer's cache; rows go to slots start .. start + S - 1
+ *   out  [S][H hd]             row s attends to slots 0 .. start + s
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (scores minus their maximum), 8 lanes: Cephes' expf polynomial, |rel err| < 2e-7 */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);  /* below: 0 (padding is -inf) */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, x), x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void rope(float *x, const float *c, const float *s, int half) {
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+/* One query row of one head against slots 0 .. L-1; p: scratch of L (rounded up to 8) floats. */
+static void attend_one(const float *q, const float *k, const float *v, int64_t L, int hd, float scale,
+                       float *p, float *o) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+        const float *kj = k + j * hd;
+        __m256 a = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
+        const float sj = hsum(a) * scale;
+        p[j] = sj;
+        m = sj > m ? sj : m;
+    }
+    const int64_t L8 = (L + 7) & ~(int64_t)7;
+    for (int64_t j = L; j < L8; j++) p[j] = -INFINITY;
+    __m256 tot = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (int64_t j = 0; j < L8; j += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        _mm256_storeu_ps(p + j, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    const float inv = 1.0f / hsum(tot);
+    for (int d0 = 0; d0 < hd; d0 += 64) {  /* 8 accumulators of 8 lanes at a time */
+        const int w = hd - d0 < 64 ? hd - d0 : 64;
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v + j * hd + d0;
+            for (int i = 0; i < w / 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < w / 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+    }
+}
+
+/* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8. */
+int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
+              float *kc, float *vc, int64_t max_len, int64_t start, float *out, int nthreads) {
+    if (hd % 8) return -2;
+    const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv;
+    for (int64_t s = 0; s < S; s++) {
+        float *row = qkv + s * width;
+        for (int64_t h = 0; h < H + Hkv; h++) rope(row + h * hd, cos + s * half, sin + s * half, (int)half);
+        for (int64_t h = 0; h < Hkv; h++) {
+            memcpy(kc + (h * max_len + start + s) * hd, row + (H + h) * hd, hd * sizeof(float));
+            memcpy(vc + (h * max_len + start + s) * hd, row + (H + Hkv + h) * hd, hd * sizeof(float));
+        }
+    }
+    const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7;
+    if (nthreads < 1) nthreads = 1;
+    if (S * H < 2) nthreads = 1;
+    float *scratch = (float *)malloc(sizeof(float) * Lmax8 * nthreads);
+    if (!scratch) return -1;
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *p = scratch + Lmax8 * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < S * H; t++) {
+            const int64_t s = t / H, h = t % H, kh = h / group;
+            attend_one(qkv + s * width + h * hd, kc + kh * max_len * hd, vc + kh * max_len * hd, start + s + 1,
+                       (int)hd, scale, p, out + s * H * hd + h * hd);
+        }
+    }
+    free(scratch);
+    return 0;
+}
