@@ -3,7 +3,11 @@
 Usage: .venv/bin/python scripts/torch_compile_check.py MODEL DTYPE   (e.g. smollm2-135m-instruct float32)
 The int4 kernels are ctypes calls, which dynamo cannot trace: it breaks the graph at each of them.
 """
-import time, sys, torch
+import sys
+import time
+
+import torch
+
 from speculant.models import load_model
 from speculant.runtime import configure_threads
 configure_threads()

@@ -177,10 +177,10 @@ def test_module_conversions_and_copies_keep_working():
 
 
 def _needs_bf16():
-    from speculant.models import native
+    from speculant.models import int4
 
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= native.cpu_flags():
-        pytest.skip("this CPU has no AVX512-BF16: long passes use the integer kernel")
+    if not int4.bf16_prefill_available():
+        pytest.skip("this CPU has no AVX512-BF16 (or SPECULANT_INT4_PREFILL=int8): long passes use the integer kernel")
 
 
 @pytest.mark.parametrize("N,K", [(40, 64), (13, 96), (300, 256)])
