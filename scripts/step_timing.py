@@ -3,12 +3,14 @@ the int4 matmuls and everything else (the timing loops are `speculant bench spee
 
 Usage: .venv/bin/python scripts/step_timing.py MODEL   (e.g. qwen2.5-coder-1.5b-instruct)
 Set SPECULANT_INT4_PREFILL=int8 to time prompts through the integer kernel instead of the bf16 GEMMs.
+Last, the whole forward is timed once per build of the int4 kernel this CPU runs (native.ISAS), in
+turns, so their ratio is measured side by side.
 """
 import sys
 import time
 
 from speculant.bench.speed import cost_curve, prefill_tps
-from speculant.models import load_model
+from speculant.models import int4, load_model, native
 from speculant.models.int4 import Int4Linear
 from speculant.runtime import configure_threads
 
@@ -43,3 +45,18 @@ for S in (1, 4, 7):
     linear_ms = in_linears[0] / (REPEATS + 1) * 1e3
     print(f"{name}: {S} new tokens on a 256-token cache {total:.2f} ms per forward (median), "
           f"{linear_ms:.2f} ms of it in int4 linears (mean)")
+
+
+builds = native.supported_isas()
+fns = {isa: int4._library(isa).q4_matmul for isa in builds}
+linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
+for S in (1, 4, 7):
+    ms = {isa: [] for isa in builds}
+    for _ in range(3):  # alternate the builds so that a noisy neighbour hits all of them alike
+        for isa in builds:
+            for lin in linears:
+                lin._fn = fns[isa]
+            ms[isa].append(cost_curve(model, ids[:256], (S,), REPEATS)[S])
+    best = {isa: min(v) for isa, v in ms.items()}
+    print(f"{name}: {S} new tokens, ms per forward by kernel build: "
+          + ", ".join(f"{isa} {best[isa]:.2f} ({best[builds[-1]] / best[isa]:.2f}x)" for isa in builds))

@@ -151,19 +151,23 @@ def test_missing_avx2_or_gcc_is_a_clear_error(problem, monkeypatch, tmp_path):
         native.library.cache_clear()
 
 
-def test_avx2_and_vnni_builds_agree_bit_for_bit():
+def test_every_kernel_build_this_cpu_runs_agrees_bit_for_bit():
     from speculant.models import int4, native
 
-    if "avx_vnni" not in native.cpu_flags():
-        pytest.skip("this CPU has no AVX-VNNI")
-    lin = Int4Linear.from_float(rnd(64, 256, seed=23), rnd(64, seed=24))
-    x = rnd(7, 256, seed=25)
-    x[2] *= 1e4
-    outs = []
-    for vnni in (False, True):
-        lin._fn = int4._library(vnni).q4_matmul
-        outs.append(lin(x))
-    assert torch.equal(outs[0], outs[1])
+    isas = native.supported_isas()
+    if len(isas) < 2:
+        pytest.skip("this CPU runs only the AVX2 build of the int4 kernel")
+    # 40 output rows = 5 blocks of 8: the 512-bit build takes two pairs and one odd block
+    lin = Int4Linear.from_float(rnd(40, 256, seed=23), rnd(40, seed=24))
+    for rows in (1, 7, 19):
+        x = rnd(rows, 256, seed=25 + rows)
+        x[rows // 2] *= 1e4
+        outs = []
+        for isa in isas:
+            lin._fn = int4._library(isa).q4_matmul
+            outs.append(lin(x))
+        for isa, out in zip(isas[1:], outs[1:]):
+            assert torch.equal(out, outs[0]), (isa, isas[0], rows)
 
 
 def test_module_conversions_and_copies_keep_working():

@@ -34,8 +34,8 @@ _CANDIDATES = (7.0, 7.25, 7.5, 7.75, 8.0, 8.5, 9.0)  # |extreme| / scale tried p
 _REFINE = 2  # least-squares refinements of the best candidate
 
 
-def _library(vnni: bool | None = None) -> ctypes.CDLL:
-    lib = native.library(vnni)
+def _library(isa: str | None = None) -> ctypes.CDLL:
+    lib = native.library(isa)
     if lib.q4_block_rows() != ROWS or lib.q4_group_size() != GROUP:
         raise SpeculantError("the int4 kernel does not match speculant/models/int4.py; delete "
                              f"{native.kernel_dir()} to rebuild it")

@@ -82,12 +82,29 @@ def _load(gcc: str, code: bytes, flags: tuple[str, ...]) -> ctypes.CDLL:
     raise AssertionError("unreachable")
 
 
+# Instruction sets the int4 kernel can be built for, fastest first: (name, cpuinfo flags, gcc flags).
+# All of them compute the same exact integer sums and the same float operations per output row,
+# so every build gives bit-identical results (tests/test_int4.py checks the ones this CPU runs).
+ISAS = (
+    ("avx512vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    ("avxvnni", {"avx_vnni"}, ("-mavxvnni",)),
+    ("avx2", set(), ()),
+)
+
+
+def supported_isas() -> list[str]:
+    """The ISAS this CPU runs, fastest first ("avx2" always last)."""
+    flags = cpu_flags()
+    return [name for name, need, _ in ISAS if need <= flags]
+
+
 @functools.cache
-def library(vnni: bool | None = None) -> ctypes.CDLL:
+def library(isa: str | None = None) -> ctypes.CDLL:
     """The compiled kernels (built on first use; SpeculantError where they cannot run here).
 
-    With AVX-VNNI (`vnni`, default: where the CPU has it) the int4 kernel's integer dot products
-    use vpdpbusd; the sums are exact either way, so both builds give bit-identical results.
+    `isa` picks a build from ISAS (default: the fastest this CPU runs whose build succeeds; an older
+    gcc without the flag falls back to the next). The results do not depend on the choice.
     """
     if not cpu_ok():
         raise SpeculantError(f"{NEEDS}; this CPU lacks AVX2/FMA/F16C; use --dtype int8")
@@ -99,16 +116,17 @@ def library(vnni: bool | None = None) -> ctypes.CDLL:
     except OSError as e:
         raise SpeculantError(f"{NEEDS}; a source is missing ({e}); use --dtype int8") from None
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its libgomp
+    names = supported_isas() if isa is None else [isa]
     lib = None
-    if vnni is None:
-        vnni = "avx_vnni" in cpu_flags()
-    if vnni:
+    for name in names:
+        extra = next(flags for n, _, flags in ISAS if n == name)
         try:
-            lib = _load(gcc, code, _FLAGS + ("-mavxvnni",))
+            lib = _load(gcc, code, _FLAGS + extra)
+            break
         except SpeculantError:
-            lib = None  # an older gcc: the AVX2 build is as exact, only slower
-    if lib is None:
-        lib = _load(gcc, code, _FLAGS)
+            if name == names[-1]:
+                raise
+    assert lib is not None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.q4_matmul.argtypes = [p, i64, i64, p, p, i64, p, f32, p, i32]
     lib.q4_matmul.restype = i32
