@@ -26,18 +26,18 @@ def test_k_tokens_in_one_pass_equal_one_by_one(fmt, arch):
 
 
 @pytest.mark.parametrize("arch,heads,kv_heads,dim", [("llama", 4, 2, 32), ("qwen2", 6, 2, 96), ("qwen2", 2, 2, 256)])
-def test_native_attention_matches_torch_and_is_batch_invariant(arch, heads, kv_heads, dim, monkeypatch):
+def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_heads, dim, monkeypatch):
     from speculant.models import transformer
 
-    if transformer.native_attention() is None:
+    if transformer.native_kernels() is None:
         pytest.skip("the native kernels cannot be built here: the torch path is the only one")
     m = tiny_model(64, arch=arch, heads=heads, kv_heads=kv_heads, dim=dim, fmt="int4").model  # batch-invariant linears
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))  # a batched prefill
     new = torch.tensor([3, 8, 11, 4, 60, 1, 2])
 
     def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        fn = transformer.native_attention.__wrapped__() if native else None
-        monkeypatch.setattr(transformer, "native_attention", lambda: fn)
+        fn = transformer.native_kernels.__wrapped__() if native else None
+        monkeypatch.setattr(transformer, "native_kernels", lambda: fn)
         c = m.new_cache(64)
         m(prompt, c)
         batched = m(new, c).logits
@@ -48,8 +48,28 @@ def test_native_attention_matches_torch_and_is_batch_invariant(arch, heads, kv_h
     nb, ns, nk = run(True)
     tb, ts, tk = run(False)
     assert torch.equal(nb, ns)  # rows are computed alike whatever their number: bit-identical
-    torch.testing.assert_close(nb, tb, atol=2e-5, rtol=2e-5)  # and the same attention as torch's
+    torch.testing.assert_close(nb, tb, atol=2e-5, rtol=2e-5)  # and the same layer as torch's
     torch.testing.assert_close(nk, tk, atol=2e-5, rtol=2e-5)  # rotated keys written to the same slots
+
+
+def test_native_rms_norm_and_swiglu_match_torch_row_by_row():
+    import torch.nn.functional as F
+
+    from speculant.models import transformer
+
+    if transformer.native_kernels() is None:
+        pytest.skip("the native kernels cannot be built here: the torch path is the only one")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 72, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]
+    w = torch.randn(72, generator=g)
+    h = torch.randn(5, 2 * 40, generator=g) * 6  # gates far into both tails of the sigmoid
+    h[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    norm, act = transformer.rms_norm(x, w, 1e-6), transformer.swiglu(h, 40)
+    torch.testing.assert_close(norm, F.rms_norm(x, (72,), w, 1e-6), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(act, F.silu(h[:, :40]) * h[:, 40:], atol=1e-6, rtol=1e-5)
+    # each row alone gives the same bits as the row among others
+    assert torch.equal(torch.cat([transformer.rms_norm(x[i : i + 1], w, 1e-6) for i in range(5)]), norm)
+    assert torch.equal(torch.cat([transformer.swiglu(h[i : i + 1], 40) for i in range(5)]), act)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])

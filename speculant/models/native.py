@@ -1,6 +1,7 @@
 """The compiled C kernels (speculant/kernels/*.c): built with gcc on first use, loaded with ctypes.
 
-One shared library holds the int4 matmul (q4.c) and the short-pass attention (attention.c). It is
+One shared library holds the int4 matmul (q4.c), the short-pass attention (attention.c) and the
+per-row element-wise ops (rows.c). It is
 compiled into `$SPECULANT_HOME/kernels/` (default `~/.cache/speculant/kernels/`) under a name that
 includes a hash of the sources and flags, so an edited source is rebuilt and a damaged file is
 never trusted. Where it cannot be built (no x86-64 AVX2/FMA/F16C, no gcc) `library()` raises
@@ -24,7 +25,8 @@ import torch
 from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c")
+SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c")
+HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
 
@@ -112,7 +114,7 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     if gcc is None:
         raise SpeculantError(f"{NEEDS}; gcc was not found on PATH; install gcc or use --dtype int8")
     try:
-        code = b"".join(src.read_bytes() for src in SOURCES)
+        code = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     except OSError as e:
         raise SpeculantError(f"{NEEDS}; a source is missing ({e}); use --dtype int8") from None
     torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its libgomp
@@ -134,6 +136,10 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     lib.q4_dequant_bf16.restype = None
     lib.attn_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i32]
     lib.attn_rows.restype = i32
+    lib.rms_norm_rows.argtypes = [p, p, i64, i64, f32, p]
+    lib.rms_norm_rows.restype = None
+    lib.silu_mul_rows.argtypes = [p, i64, i64, p]
+    lib.silu_mul_rows.restype = None
     return lib
 
 

@@ -56,21 +56,21 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
                 mask: Tensor | None, row_wise: bool) -> Tensor:
         """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1."""
-        h = F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps)
+        h = rms_norm(x, self.attn_norm, self.eps)
         x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise)
-        h = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.ffn_norm, self.eps))  # [S, 2F]
-        return x + self.down(F.silu(h[:, : self.hidden_dim]) * h[:, self.hidden_dim :])
+        h = self.gate_up(rms_norm(x, self.ffn_norm, self.eps))  # [S, 2F]
+        return x + self.down(swiglu(h, self.hidden_dim))
 
     def _attention(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
                    mask: Tensor | None, row_wise: bool) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
-        attn_rows = native_attention() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
-        if attn_rows is not None:
+        lib = native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
+        if lib is not None:
             # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c)
             qkv = qkv.contiguous()
             out = torch.empty(S, H * hd, dtype=torch.float32)
-            rc = attn_rows(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
+            rc = lib.attn_rows(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
                            cache.v[layer].data_ptr(), cache.max_len, start, out.data_ptr(), torch.get_num_threads())
             if rc:
                 raise MemoryError(f"native attention failed ({rc})")
@@ -156,17 +156,39 @@ class Transformer(nn.Module):
         cache.length = end
         if logit_rows is not None:
             x = x[logit_rows]
-        logits = (head or self.lm_head)(F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.norm_eps))
+        logits = (head or self.lm_head)(rms_norm(x, self.norm, self.cfg.norm_eps))
         return Output(logits, tapped)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [S, D] normalised per row, times weight [D]: one C call on CPU (~25x faster than torch's op)."""
+    fn = native_kernels()
+    if fn is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 8:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    fn.rms_norm_rows(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+    return out
+
+
+def swiglu(h: Tensor, hidden: int) -> Tensor:
+    """h [S, 2F] = gate | up -> silu(gate) * up [S, F]: one C call on CPU."""
+    fn = native_kernels()
+    if fn is None or h.device.type != "cpu" or h.dtype != torch.float32 or hidden % 8:
+        return F.silu(h[:, :hidden]) * h[:, hidden:]
+    h = h.contiguous()
+    out = torch.empty(h.shape[0], hidden, dtype=h.dtype)
+    fn.silu_mul_rows(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
+    return out
+
+
 @functools.cache
-def native_attention():
-    """The C attention of short passes (speculant/kernels/attention.c), or None where it cannot be built."""
+def native_kernels():
+    """The C kernels of short passes and per-row ops (speculant/kernels/), or None where they cannot be built."""
     from . import native
 
     try:
-        return native.library().attn_rows
+        return native.library()
     except SpeculantError:
         return None
 

@@ -1,0 +1,54 @@
+/* The element-wise ops of a layer, per row: RMS norm and SwiGLU's silu(gate) * up.
+ *
+ * torch spends 25-30 us on F.rms_norm of one row (it decomposes into ~8 ops) and ~10 us on
+ * silu + mul, some 2 ms per decode step of a 24-layer model, 15% of the 0.5B draft's step. Here
+ * each is one call of a few microseconds. A row is computed by one thread with the same
+ * instructions whatever the number of rows, so results do not depend on how many rows share a pass.
+ *
+ * Layouts (float32, contiguous): x, out [S][D]; w [D]; h [S][2F] = gate | up; act [S][F].
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+/* out = x / sqrt(mean(x^2) + eps) * w   (D a multiple of 8) */
+void rms_norm_rows(const float *x, const float *w, int64_t S, int64_t D, float eps, float *out) {
+    for (int64_t s = 0; s < S; s++) {
+        const float *xr = x + s * D;
+        float *o = out + s * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+            const __m256 v0 = _mm256_loadu_ps(xr + d), v1 = _mm256_loadu_ps(xr + d + 8);
+            a0 = _mm256_fmadd_ps(v0, v0, a0);
+            a1 = _mm256_fmadd_ps(v1, v1, a1);
+        }
+        for (; d < D; d += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + d);
+            a0 = _mm256_fmadd_ps(v, v, a0);
+        }
+        const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(a0, a1)) / (float)D + eps));
+        for (d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + d), r), _mm256_loadu_ps(w + d)));
+    }
+}
+
+/* act = silu(gate) * up = gate * sigmoid(gate) * up, sigmoid from exp(-|gate|)   (F a multiple of 8) */
+void silu_mul_rows(const float *h, int64_t S, int64_t F, float *act) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t s = 0; s < S; s++) {
+        const float *g = h + s * 2 * F, *u = g + F;
+        float *o = act + s * F;
+        for (int64_t j = 0; j < F; j += 8) {
+            const __m256 x = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_neg(_mm256_or_ps(x, sign));  /* exp(-|x|) in (0, 1] */
+            const __m256 den = _mm256_add_ps(one, e);
+            /* sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) for x < 0 */
+            const __m256 num = _mm256_blendv_ps(one, e, x);
+            const __m256 sig = _mm256_div_ps(num, den);
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + j)));
+        }
+    }
+}
