@@ -32,12 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fixed k, or grow on full acceptance / shrink otherwise")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length")
     p.add_argument("--min-confidence", type=float, default=None,
-                   help="draft model stops drafting when its top probability falls below this")
+                   help="draft model stops drafting when its top probability falls below this (default 0.5; 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="draft only among the first N token ids (smaller draft output layer; 0 = all)")
+                   help="draft only among the first N token ids (smaller draft output layer; default 65536, 0 = all)")
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--ngram-min", type=int, default=None,
-                   help="shortest n-gram prompt lookup (and hybrid's lookup) accepts as a match")
+                   help="shortest n-gram prompt lookup accepts as a match (default: 1 for lookup, 2 for hybrid)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")

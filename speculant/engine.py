@@ -21,7 +21,7 @@ import torch
 from .errors import SpeculantError
 from .methods.base import DraftLength, DraftLengthConfig, Drafter
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
-from .methods.hybrid import HybridDrafter
+from .methods.hybrid import HYBRID_MIN_NGRAM, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
 from .sampling import SamplingConfig, probs, sample
@@ -152,7 +152,9 @@ class Engine:
             assert self.draft is not None
             model = DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len,
                                       self.target.config.vocab_size, self._draft_head)
-            return model if m.name == "draft" else HybridDrafter(LookupDrafter(m.lookup, self.target.model.device), model)
+            if m.name == "draft":
+                return model
+            return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model)
         return None
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:

@@ -117,16 +117,19 @@ def _exact_marginals(target, prompt, sampling, n_tokens):
     return marginals
 
 
-@pytest.mark.parametrize("method, sampling", [
-    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9)),
-    ("lookup", SamplingConfig(1.3)),
-    ("hybrid", SamplingConfig(1.0, top_p=0.8)),
+@pytest.mark.parametrize("method, sampling, confidence", [
+    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9), 0.0),
+    ("draft", SamplingConfig(1.0), 0.35),
+    ("lookup", SamplingConfig(1.3), 0.0),
+    ("hybrid", SamplingConfig(1.0, top_p=0.8), 0.0),
 ])
-def test_every_generated_position_has_the_targets_distribution(method, sampling):
+def test_every_generated_position_has_the_targets_distribution(method, sampling, confidence):
     """Speculative sampling through the whole engine reproduces target-only sampling (chi-square).
 
     Four tokens: the first from the prefill, then a round drafting two, then whatever is left, so
-    accepted, resampled and bonus tokens all appear at the checked positions.
+    accepted, resampled and bonus tokens all appear at the checked positions. The tiny draft's top
+    probability is about 0.3: a confidence stop of 0 always drafts (2.4 tokens a run), 0.35 stops
+    many drafts early (1.4 a run).
     """
     V, n_tok, runs = 4, 4, 4000
     target = tiny_model(V, seed=5, logit_scale=0.2)
@@ -137,7 +140,8 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     # plain lookup takes any match so that it drafts every round
     lookup = LookupConfig(3, min_ngram=3 if method == "hybrid" else 1)
     e = Engine(target, draft if method in ("draft", "hybrid") else None,
-               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), lookup))
+               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), lookup,
+                            DraftModelConfig(min_confidence=confidence)))
     counts = torch.zeros(n_tok, V)
     drafted = accepted = 0
     for i in range(runs):
@@ -146,7 +150,9 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
         counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
         drafted += done.stats.drafted_tokens
         accepted += done.stats.accepted_tokens
-    assert drafted >= runs and 0 < accepted < drafted  # speculation really happened, with rejections
+    assert drafted >= (runs if confidence == 0 else runs // 4) and 0 < accepted < drafted  # with rejections
+    if confidence:
+        assert drafted < 2 * runs  # the stop cut drafts short
     for j in range(n_tok):
         keep = exp[j] * runs > 5
         obs, ex = counts[j][keep], exp[j][keep] * runs

@@ -58,3 +58,21 @@ def test_greedy_continuation_matches_transformers(pair):
                 seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
         ref = seq[len(ids):]
         assert done.token_ids == ref, (name, text)
+
+
+def test_bench_peers_run_transformers_generate_with_each_method(real_model_cache):
+    """`bench methods --against transformers`: its plain, assisted and prompt-lookup generate calls give
+    the target's greedy tokens (SmolLM2 as its own assistant), as our float32 engine does."""
+    from speculant.bench.peers import TransformersPeers
+
+    name = "smollm2-135m-instruct"
+    ours = real_model_cache(name, "float32")
+    path = resolve_model(name)
+    peers = TransformersPeers(path, path, ours.tokenizer.eos_id)
+    assert peers.methods == ("hf-ar", "hf-assisted", "hf-lookup")
+    ids = ours.tokenizer.encode(PROMPTS[1])
+    ref = Engine(ours).generate(ids, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
+    for method in peers.methods:
+        tokens, seconds = peers.generate(method, ids, 16)
+        assert tokens == ref, method
+        assert seconds > 0

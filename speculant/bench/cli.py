@@ -137,6 +137,7 @@ def _methods(args: argparse.Namespace) -> int:
         "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
         "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},
         "min_confidence": base.method.draft_model.min_confidence, "lookup_max_ngram": base.method.lookup.max_ngram,
+        "lookup_min_ngram": base.method.lookup.min_ngram,
         "draft_vocab": base.method.draft_model.vocab,
     }
     tables = methods_tables(result)

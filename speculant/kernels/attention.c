@@ -34,7 +34,33 @@ static void rope(float *x, const float *c, const float *s, int half) {
 static void attend_one(const float *q, const float *k, const float *v, int64_t L, int hd, float scale,
                        float *p, float *o) {
     float m = -INFINITY;
-    for (int64_t j = 0; j < L; j++) {
+    int64_t j = 0;
+    /* 8 keys at a time: 8 independent fma chains instead of one (a single chain per key waited on
+     * the fma latency), then one transposing reduction gives the 8 scores in one vector */
+    __m256 mv8 = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= L; j += 8) {
+        const float *kj = k + j * hd;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + i * hd + d), a[i]);
+        }
+        const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+        const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+        const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+        /* lanes: (0 1 2 3 | 0 1 2 3) halves of keys 0-3 and of keys 4-7 */
+        const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+        const __m256 sc = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale));
+        _mm256_storeu_ps(p + j, sc);
+        mv8 = _mm256_max_ps(mv8, sc);
+    }
+    {
+        float t[8];
+        _mm256_storeu_ps(t, mv8);
+        for (int i = 0; i < 8; i++) m = t[i] > m ? t[i] : m;
+    }
+    for (; j < L; j++) {
         const float *kj = k + j * hd;
         __m256 a = _mm256_setzero_ps();
         for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);

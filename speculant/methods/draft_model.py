@@ -22,11 +22,16 @@ from .base import Draft
 
 @dataclass(frozen=True, slots=True)
 class DraftModelConfig:
-    min_confidence: float = 0.0  # 0 = never stop early
+    # Stop drafting below this top probability (0 = never stop early). 0.5 measured on HumanEval
+    # (`bench methods`, 20 prompts): draft 1.30x vs 1.26x without; hybrid 1.42x vs 1.37x.
+    min_confidence: float = 0.5
     # Draft only among the first `vocab` token ids (0 = all). BPE ids follow merge order, so low ids
     # are the frequent tokens; the draft's output projection shrinks with it (FR-Spec, Zhao et al.
-    # 2025). Exactness is unaffected: q is simply zero outside the subset.
-    vocab: int = 0
+    # 2025). Exactness is unaffected: q is simply zero outside the subset. 65536 cuts the Qwen2.5
+    # draft's 151,936-row head by 57% (its cost per round 1.00 -> 0.86 of a target step) and still
+    # covers 99.2% of the HumanEval solutions' tokens: hybrid 1.42x vs 1.39x; 32768 lost too much
+    # acceptance. Vocabularies of 65536 tokens or fewer are unaffected.
+    vocab: int = 65536
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_confidence < 1.0:

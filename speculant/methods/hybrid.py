@@ -17,6 +17,9 @@ from .draft_model import DraftModelDrafter
 from .lookup import LookupDrafter
 
 
+HYBRID_MIN_NGRAM = 2  # default shortest n-gram a hybrid round takes a lookup draft from (see LookupConfig)
+
+
 class HybridDrafter:
     name = "hybrid"
 
