@@ -30,64 +30,85 @@ static void rope(float *x, const float *c, const float *s, int half) {
     }
 }
 
-/* One query row of one head against slots 0 .. L-1; p: scratch of L (rounded up to 8) floats. */
-static void attend_one(const float *q, const float *k, const float *v, int64_t L, int hd, float scale,
-                       float *p, float *o) {
-    float m = -INFINITY;
-    int64_t j = 0;
-    /* 8 keys at a time: 8 independent fma chains instead of one (a single chain per key waited on
-     * the fma latency), then one transposing reduction gives the 8 scores in one vector */
-    __m256 mv8 = _mm256_set1_ps(-INFINITY);
-    for (; j + 8 <= L; j += 8) {
-        const float *kj = k + j * hd;
-        __m256 a[8];
-        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        for (int d = 0; d < hd; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(q + d);
-            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + i * hd + d), a[i]);
-        }
-        const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-        const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-        const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-        /* lanes: (0 1 2 3 | 0 1 2 3) halves of keys 0-3 and of keys 4-7 */
-        const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
-        const __m256 sc = _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale));
-        _mm256_storeu_ps(p + j, sc);
-        mv8 = _mm256_max_ps(mv8, sc);
+/* Scores of one query against 8 keys (rows of kj, hd apart): 8 independent fma chains, then one
+ * transposing reduction gives the 8 dot products in one vector. */
+static inline __m256 dot8(const float *q, const float *kj, int hd) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + i * hd + d), a[i]);
     }
-    {
-        float t[8];
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    /* lanes (0 1 2 3 | 0 1 2 3): halves of keys 0-3 and of keys 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+#define KEYS 32 /* keys per block: the block's keys and values (32 x hd floats each) stay in L1 */
+
+/* One query row of the G heads that share one key/value head, against slots 0 .. L-1.
+ * q: G queries, hd apart; o: G outputs, hd apart; p: scratch of G x L8 floats (L8 = L rounded up
+ * to 8). Each block of keys and values is read once for all G heads (grouped-query attention:
+ * reading them once per head made a 7-token pass spend 4 ms of L2 traffic per step). What each
+ * head computes, and in which order, does not depend on G's neighbours or on other rows. */
+static void attend_group(const float *q, int G, const float *k, const float *v, int64_t L, int hd, float scale,
+                         float *p, float *o) {
+    const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7;
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 8 keys at a time */
+        const int64_t j1 = j0 + KEYS < full ? j0 + KEYS : full;
+        for (int g = 0; g < G; g++)
+            for (int64_t j = j0; j < j1; j += 8)
+                _mm256_storeu_ps(p + g * L8 + j, _mm256_mul_ps(dot8(q + g * hd, k + j * hd, hd), sv));
+    }
+    for (int g = 0; g < G; g++) {
+        float *pg = p + g * L8;
+        for (int64_t j = full; j < L; j++) {  /* the last L % 8 keys one at a time */
+            const float *kj = k + j * hd;
+            __m256 a = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), _mm256_loadu_ps(kj + d), a);
+            pg[j] = hsum(a) * scale;
+        }
+        for (int64_t j = L; j < L8; j++) pg[j] = -INFINITY;
+        __m256 mv8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L8; j += 8) mv8 = _mm256_max_ps(mv8, _mm256_loadu_ps(pg + j));
+        float t[8], m = -INFINITY;
         _mm256_storeu_ps(t, mv8);
         for (int i = 0; i < 8; i++) m = t[i] > m ? t[i] : m;
-    }
-    for (; j < L; j++) {
-        const float *kj = k + j * hd;
-        __m256 a = _mm256_setzero_ps();
-        for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a);
-        const float sj = hsum(a) * scale;
-        p[j] = sj;
-        m = sj > m ? sj : m;
-    }
-    const int64_t L8 = (L + 7) & ~(int64_t)7;
-    for (int64_t j = L; j < L8; j++) p[j] = -INFINITY;
-    __m256 tot = _mm256_setzero_ps();
-    const __m256 mv = _mm256_set1_ps(m);
-    for (int64_t j = 0; j < L8; j += 8) {
-        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
-        _mm256_storeu_ps(p + j, e);
-        tot = _mm256_add_ps(tot, e);
-    }
-    const float inv = 1.0f / hsum(tot);
-    for (int d0 = 0; d0 < hd; d0 += 64) {  /* 8 accumulators of 8 lanes at a time */
-        const int w = hd - d0 < 64 ? hd - d0 : 64;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            const float *vj = v + j * hd + d0;
-            for (int i = 0; i < w / 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+        __m256 tot = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(m);
+        for (int64_t j = 0; j < L8; j += 8) {
+            const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(pg + j), mv));
+            _mm256_storeu_ps(pg + j, e);
+            tot = _mm256_add_ps(tot, e);
         }
-        for (int i = 0; i < w / 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, _mm256_mul_ps(acc[i], _mm256_set1_ps(inv)));
+        p[(int64_t)G * L8 + g] = 1.0f / hsum(tot);  /* the normaliser, applied after the weighted sum */
+    }
+    /* weighted sums of the values, key blocks outer so each block is read once for all heads; the
+     * accumulators live in o between blocks, so every output still sums over j in order */
+    for (int64_t j0 = 0; j0 < L; j0 += KEYS) {
+        const int64_t j1 = j0 + KEYS < L ? j0 + KEYS : L;
+        for (int g = 0; g < G; g++) {
+            const float *pg = p + g * L8;
+            for (int d0 = 0; d0 < hd; d0 += 64) {  /* 8 accumulators of 8 lanes at a time */
+                const int w = hd - d0 < 64 ? hd - d0 : 64;
+                float *og = o + g * hd + d0;
+                __m256 acc[8];
+                for (int i = 0; i < w / 8; i++) acc[i] = j0 ? _mm256_loadu_ps(og + 8 * i) : _mm256_setzero_ps();
+                for (int64_t j = j0; j < j1; j++) {
+                    const __m256 pj = _mm256_set1_ps(pg[j]);
+                    const float *vj = v + j * hd + d0;
+                    for (int i = 0; i < w / 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+                }
+                for (int i = 0; i < w / 8; i++) _mm256_storeu_ps(og + 8 * i, acc[i]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(p[(int64_t)G * L8 + g]);
+        for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(o + g * hd + d, _mm256_mul_ps(_mm256_loadu_ps(o + g * hd + d), inv));
     }
 }
 
@@ -106,18 +127,27 @@ int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const f
     }
     const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7;
     if (nthreads < 1) nthreads = 1;
-    if (S * H < 2) nthreads = 1;
-    float *scratch = (float *)malloc(sizeof(float) * Lmax8 * nthreads);
+    /* tasks: (row, key/value head, part of its query heads); the heads of a group are split only
+     * as far as needed to give every thread work */
+    const int64_t pairs = S * Hkv;
+    int64_t parts = (nthreads + pairs - 1) / pairs;
+    if (parts > group) parts = group;
+    const int64_t per = (group + parts - 1) / parts;
+    parts = (group + per - 1) / per;
+    if (pairs * parts < 2) nthreads = 1;
+    const int64_t need = per * Lmax8 + per;  /* scores and normalisers of one task */
+    float *scratch = (float *)malloc(sizeof(float) * need * nthreads);
     if (!scratch) return -1;
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel num_threads(nthreads)
     {
-        float *p = scratch + Lmax8 * omp_get_thread_num();
+        float *p = scratch + need * omp_get_thread_num();
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < S * H; t++) {
-            const int64_t s = t / H, h = t % H, kh = h / group;
-            attend_one(qkv + s * width + h * hd, kc + kh * max_len * hd, vc + kh * max_len * hd, start + s + 1,
-                       (int)hd, scale, p, out + s * H * hd + h * hd);
+        for (int64_t t = 0; t < pairs * parts; t++) {
+            const int64_t s = t / (Hkv * parts), kh = t / parts % Hkv, h0 = kh * group + t % parts * per;
+            const int64_t g = kh * group + group - h0 < per ? kh * group + group - h0 : per;
+            attend_group(qkv + s * width + h0 * hd, (int)g, kc + kh * max_len * hd, vc + kh * max_len * hd,
+                         start + s + 1, (int)hd, scale, p, out + s * H * hd + h0 * hd);
         }
     }
     free(scratch);
