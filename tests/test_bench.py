@@ -317,3 +317,18 @@ def test_cli_user_errors_before_loading_models(tmp_path: Path, capsys: pytest.Ca
     assert main(["bench", "methods", "--max-tokens", "1", "--out", out]) == 2
     assert main(["bench", "speed", "--tokens", "0", "--out", out]) == 2
     assert "--tokens" in capsys.readouterr().err
+
+
+def _crash(*args: object) -> None:
+    import os
+
+    os.abort()  # what a segfault in llama.cpp's native code looks like to the parent: a dead child
+
+
+def test_a_crash_inside_llama_cpp_costs_its_row_not_the_benchmark(monkeypatch, tmp_path: Path) -> None:
+    from speculant.bench import speed_run
+
+    monkeypatch.setattr(speed_run, "llama_cpp_speed", _crash)
+    monkeypatch.setattr(speed_run, "gguf_weight_info", lambda path: (1000, "Q4_0"))
+    with pytest.raises(SpeculantError, match="llama.cpp crashed measuring model.gguf; .*AMX"):
+        speed_run._llama_row(tmp_path / "model.gguf", "m", [1, 2, 3], SpeedConfig(), 1, 10.0)

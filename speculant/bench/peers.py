@@ -23,6 +23,10 @@ from ..errors import SpeculantError
 
 LLAMA_CPP_HINT = ("llama.cpp comparison skipped: the llama_cpp module is not installed; install it with "
                   "`pip install llama-cpp-python` (it compiles llama.cpp, which takes several minutes)")
+LLAMA_CPP_CRASH_HINT = ("on CPUs with AMX its AMX kernels have crashed under a VM: rebuild it without them, "
+                        "`CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+                        "-DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON\" pip install --force-reinstall --no-deps "
+                        "--no-cache-dir llama-cpp-python`")
 TRANSFORMERS_HINT = "--against transformers needs transformers; install it with `pip install 'transformers>=4.45' gguf`"
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-lookup")
 PROMPT_LOOKUP_TOKENS = 10

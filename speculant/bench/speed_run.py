@@ -14,7 +14,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .peers import LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
+from ..errors import SpeculantError
+from .peers import LLAMA_CPP_CRASH_HINT, LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
 from .report import Table, fmt, load_note, machine_info
 from .speed import Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, measure_bandwidth, measure_model, text_logits
 
@@ -74,7 +75,11 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                 result.fidelity.append(compare_logits(spec, dtype, logits["float32"], logits[dtype]))
             if want_llama and ids:
                 bar.update(task, description=f"{spec} (llama.cpp): measuring")
-                result.rows.append(_llama_row(resolve_model(spec), spec, ids, cfg, threads, result.bandwidth_gbps))
+                try:
+                    result.rows.append(_llama_row(resolve_model(spec), spec, ids, cfg, threads, result.bandwidth_gbps))
+                except SpeculantError as e:
+                    err.print(f"[yellow]{e}[/yellow]")
+                    result.notes.append(f"{spec}: no llama.cpp row ({e})")
                 bar.advance(task)
     if want_llama:
         result.notes.append("llama.cpp runs the GGUF file's own quantisation and computes every scored row's logits "
@@ -83,8 +88,19 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
 
 
 def _llama_row(path: Path, spec: str, ids: list[int], cfg: SpeedConfig, threads: int, bandwidth: float) -> SpeedRow:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     nbytes, kind = gguf_weight_info(path)
-    m = llama_cpp_speed(path, ids, cfg.tokens, cfg.ks, threads, cfg.repeats)
+    # In a child process: a crash inside llama.cpp's native code (seen with its AMX kernels under a
+    # VM) then costs this row, not the whole benchmark. Our models are freed by then, so the child
+    # has the cores and the memory to itself.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            m = pool.submit(llama_cpp_speed, path, ids, cfg.tokens, cfg.ks, threads, cfg.repeats).result()
+        except BrokenProcessPool:
+            raise SpeculantError(f"llama.cpp crashed measuring {path.name}; {LLAMA_CPP_CRASH_HINT}") from None
     return SpeedRow(spec, "llama.cpp", kind, m.prefill_tps, m.decode_tps, nbytes, m.curve_ms, bandwidth)
 
 
