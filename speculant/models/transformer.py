@@ -161,7 +161,7 @@ class Transformer(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [S, D] normalised per row, times weight [D]: one C call on CPU (~25x faster than torch's op)."""
+    """x [S, D] normalised per row, times weight [D]: one C call on CPU (torch's op costs ~30 us a call)."""
     fn = native_kernels()
     if fn is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 8:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
