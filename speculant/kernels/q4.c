@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void block_rows2(
 
 /* Calls BODY(R) with R a compile-time constant for the row counts of decoding and of speculative
  * verification (1-8 rows), so that their accumulators stay in registers; more rows go through the
- * generic loop (measured 25% slower per row at 7 rows without this). */
+ * generic loop (measured: 7 rows x a 17920x1536 weight took 0.60 ms that way, 0.55 ms with this). */
 #define ROW_SWITCH(mc, BODY)                                                                          \
     switch (mc) {                                                                                   \
     case 1: BODY(1); break;                                                                         \
