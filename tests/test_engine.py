@@ -136,8 +136,8 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
     exp = _exact_marginals(target, prompt, sampling, n_tok)
-    # hybrid: only 3-gram matches use lookup, so some rounds are drafted by lookup, others by the model;
-    # plain lookup takes any match so that it drafts every round
+    # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
+    # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
     lookup = LookupConfig(3, min_ngram=3 if method == "hybrid" else 1)
     e = Engine(target, draft if method in ("draft", "hybrid") else None,
                MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), lookup,
@@ -212,3 +212,41 @@ def test_parse_method_variants():
         parse_method("draft:k=many")
     with pytest.raises(SpeculantError, match="unknown method"):
         parse_method("medusa:k=2")
+
+
+def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
+    """Hybrid hands prompt lookup's continuation to the draft model as a guess: one forward scores it,
+    and the leading tokens the draft agrees with are its proposal, as if it had drafted them one by one."""
+    from speculant.methods.draft_model import DraftModelDrafter
+
+    target, draft = pair
+    calls = []
+    model = draft.model
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape[0])
+        return type(model).forward(model, *a, **kw)
+
+    def drafter():
+        d = DraftModelDrafter(model, SamplingConfig(0.0), DraftModelConfig(min_confidence=0.0), 64, 32)
+        d.start(PROMPT)
+        return d
+
+    plain = drafter().propose(7, 5, None).tokens.tolist()
+    assert len(plain) == 5
+    for agree in range(5):
+        guess = plain[:agree] + [(plain[agree] + 1) % 32] + plain[agree + 1 :]
+        d = drafter()
+        calls.clear()
+        model.forward = counting
+        try:
+            got = d.propose(7, 5, None, guess=guess).tokens.tolist()
+        finally:
+            del model.forward
+        assert got == plain, agree
+        assert len(calls) == 5 - agree and calls[0] == 1 + 1 + min(len(guess), 4)  # unfed + pending + guess
+        # the draft's cache holds what propose() promises: the context, pending and all drafts but the last
+        d.commit([7] + got, len(got))
+        fresh = DraftModelDrafter(model, SamplingConfig(0.0), DraftModelConfig(min_confidence=0.0), 64, 32)
+        fresh.start(PROMPT + [7] + got)
+        assert torch.equal(d.propose(11, 3, None).tokens, fresh.propose(11, 3, None).tokens)

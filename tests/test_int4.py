@@ -134,6 +134,30 @@ def test_tiny_model_k_tokens_in_one_pass_equal_one_by_one(arch):
     assert torch.equal(batched, single)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_blocks_equal_the_python_path_bit_for_bit(arch):
+    """Short passes run all blocks in one C call (models/fused.py); logits and KV cache must be the
+    Python path's exactly, also after copies and conversions that rebuild the fused loop."""
+    import copy
+
+    m = tiny_model(64, arch=arch, fmt="int4", layers=3).model
+    assert m.fused_blocks() is not None
+    prompt, new = torch.tensor([1, 5, 9, 2, 7]), torch.tensor([3, 8, 11, 4])
+
+    def run(model, fused: bool):
+        c = model.new_cache(32)
+        model(prompt, c)  # prefill (S > 4 rows here, still a short pass: fused too)
+        model._fused = False if not fused else model._fused  # False: the Python path
+        out = torch.cat([model(new[:3], c).logits, model(new[3:], c).logits])
+        return out, c.k[:, :, : c.length].clone(), c.v[:, :, : c.length].clone()
+
+    ref = run(copy.deepcopy(m), fused=False)
+    for model in (m, copy.deepcopy(m), m.to("cpu").float()):
+        got = run(model, fused=True)
+        assert model.fused_blocks() is not None
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 @pytest.mark.parametrize("problem", ["cpu", "gcc"])
 def test_missing_avx2_or_gcc_is_a_clear_error(problem, monkeypatch, tmp_path):
     from speculant.models import native

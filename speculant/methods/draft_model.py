@@ -9,6 +9,7 @@ itself doubts is likely rejected, and a target forward over it would be wasted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,16 +73,33 @@ class DraftModelDrafter:
         self.committed = self.cache.length
         self.unfed = prompt[-1:]
 
-    def propose(self, pending: int, k: int, generator: torch.Generator | None) -> Draft:
-        feed = torch.tensor(self.unfed + [pending], device=self.model.device)
-        tokens: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
+    def propose(self, pending: int, k: int, generator: torch.Generator | None, guess: Sequence[int] = ()) -> Draft:
+        """Up to k tokens after `pending`. A `guess` of what follows (prompt lookup's) is scored in the
+        first forward: its leading tokens that equal the draft's own greedy choices are taken as
+        drafts without a forward each, then the draft goes on from the first disagreement."""
+        device = self.model.device
         greedy = self.sampling.greedy
         threshold = self.cfg.min_confidence
         room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
-        for _ in range(max(0, min(k, room))):
-            out = self.model(feed, self.cache, logit_rows=slice(-1, None), head=self.head)
-            logits = self._fit(out.logits[0])  # [V_target]
+        k = max(0, min(k, room))
+        guess = list(guess[: max(0, k - 1)])  # the first forward leaves room for one token of its own
+        feed = torch.tensor(self.unfed + [pending] + guess, device=device)
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        rows = len(guess) + 1
+        while k > 0 and sum(t.shape[0] for t in tokens) < k:
+            out = self.model(feed, self.cache, logit_rows=slice(-rows, None), head=self.head)
+            logits = out.logits[-1]
+            if rows > 1:
+                n = self._agreed(out.logits, guess)
+                self.cache.rollback(self.cache.length - (len(guess) - n))  # unfed: the disagreeing guesses
+                if n:
+                    tokens.append(feed.new_tensor(guess[:n]))
+                    if not greedy:  # deterministic given the context: one-hot proposals
+                        qs.append(torch.nn.functional.one_hot(tokens[-1], self.target_vocab).float())
+                logits = out.logits[n]
+                rows = 1
+            logits = self._fit(logits)  # [V_target]
             if greedy:
                 tok = logits.argmax(-1, keepdim=True)
                 if threshold > 0 and logits.softmax(-1).max() < threshold:
@@ -91,12 +109,18 @@ class DraftModelDrafter:
                 if threshold > 0 and q.max() < threshold:
                     break
                 tok = sample(q, generator).reshape(1)
-                qs.append(q)
+                qs.append(q[None])
             tokens.append(tok)
             feed = tok
-        # Cache now holds: committed, unfed, pending, and all drafts but the last.
-        draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=self.model.device)
-        return Draft(draft, torch.stack(qs) if qs else None)
+        # Cache now holds: committed, unfed, pending, and all drafts but (at least) the last.
+        draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=device)
+        return Draft(draft, torch.cat(qs) if qs else None)
+
+    def _agreed(self, logits: torch.Tensor, guess: list[int]) -> int:
+        """How many leading guess tokens equal the draft's argmax (logits [len(guess) + 1, V]): one host sync."""
+        pred = logits[:-1, : self.target_vocab].argmax(-1)
+        same = pred == torch.tensor(guess, device=pred.device)
+        return int(same.cumprod(0).sum())
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         v = self.target_vocab

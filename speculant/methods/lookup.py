@@ -19,9 +19,9 @@ from .base import Draft
 @dataclass(frozen=True, slots=True)
 class LookupConfig:
     max_ngram: int = 3
-    # None: the method's default, 1 for `lookup` and 2 for `hybrid`, whose draft model does better
-    # than a one-token match (HumanEval, one `bench methods` run: 1.34x with 1-token matches, 1.37x
-    # with 2, 1.38x with 3; 2 and 3 are within noise, 2 keeps more lookup rounds for copied text)
+    # None: the method's default, 1 for `lookup` and 2 for `hybrid`. Hybrid's guesses are checked
+    # by the draft model, so a short match costs little: on HumanEval (`bench methods`, 20 prompts)
+    # 1 and 2 gave the same 1.46x; 2 keeps the guesses to text that repeats.
     min_ngram: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +62,10 @@ class LookupDrafter:
                 self.index[tuple(h[end - n : end])] = end
 
     def propose(self, pending: int, k: int, generator: torch.Generator | None = None) -> Draft:
+        return Draft(torch.tensor(self.guess(pending, k), dtype=torch.long, device=self.device), None)
+
+    def guess(self, pending: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching n-gram."""
         h = self.history
         h.append(pending)  # looked up as the suffix, removed again below (commit pushes it for good)
         out: list[int] = []
@@ -74,7 +78,7 @@ class LookupDrafter:
                     out = h[start : start + k]
                     break
         h.pop()
-        return Draft(torch.tensor(out, dtype=torch.long, device=self.device), None)
+        return out
 
     def commit(self, accepted: list[int], n_drafted: int) -> None:
         for t in accepted:

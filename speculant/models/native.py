@@ -1,7 +1,7 @@
 """The compiled C kernels (speculant/kernels/*.c): built with gcc on first use, loaded with ctypes.
 
-One shared library holds the int4 matmul (q4.c), the short-pass attention (attention.c) and the
-per-row element-wise ops (rows.c). It is
+One shared library holds the int4 matmul (q4.c), the short-pass attention (attention.c), the
+per-row element-wise ops (rows.c) and the loop over an int4 model's blocks (blocks.c). It is
 compiled into `$SPECULANT_HOME/kernels/` (default `~/.cache/speculant/kernels/`) under a name that
 includes a hash of the sources and flags, so an edited source is rebuilt and a damaged file is
 never trusted. Where it cannot be built (no x86-64 AVX2/FMA/F16C, no gcc) `library()` raises
@@ -25,7 +25,7 @@ import torch
 from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c")
+SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
 HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
@@ -140,6 +140,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     lib.rms_norm_rows.restype = None
     lib.silu_mul_rows.argtypes = [p, i64, i64, p]
     lib.silu_mul_rows.restype = None
+    lib.q4_blocks.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, i64, i32]
+    lib.q4_blocks.restype = i32
     return lib
 
 

@@ -108,6 +108,27 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg, cfg.context_length)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self._fused = None  # FusedBlocks, False where it does not apply, None until the first short pass
+
+    def _apply(self, fn, recurse=True):  # .to() & co. may move the weights the fused loop points at
+        self._fused = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):  # (deep) copies build their own fused loop
+        st = self.__dict__.copy()
+        st["_fused"] = None
+        return st
+
+    def fused_blocks(self):
+        """The one-C-call loop over the blocks (models/fused.py), or None where it does not apply."""
+        if self._fused is None:
+            fused = None
+            if self.device.type == "cpu" and native_kernels() is not None:
+                from .fused import FusedBlocks
+
+                fused = FusedBlocks.build(list(self.blocks))
+            self._fused = fused or False
+        return self._fused or None
 
     @property
     def device(self) -> torch.device:
@@ -149,10 +170,14 @@ class Transformer(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
         x = F.embedding(tokens, self.embed)  # [S, D]
         tapped: dict[int, Tensor] = {}
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cache, i, start, cos, sin, mask, row_wise)
-            if i in taps:
-                tapped[i] = x
+        fused = self.fused_blocks() if row_wise and not taps else None
+        if fused is not None:
+            x = fused(x, cache, start, cos, sin)
+        else:
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, cache, i, start, cos, sin, mask, row_wise)
+                if i in taps:
+                    tapped[i] = x
         cache.length = end
         if logit_rows is not None:
             x = x[logit_rows]
