@@ -24,7 +24,7 @@ from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_he
 from .methods.hybrid import HYBRID_MIN_NGRAM, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
-from .sampling import SamplingConfig, probs, sample
+from .sampling import SamplingConfig, probs, sample, top_token
 from .stats import Stats
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
@@ -184,7 +184,7 @@ class Engine:
 
         t0 = time.perf_counter()
         logits = model(torch.tensor(ids, device=device), cache, logit_rows=slice(-1, None)).logits  # [1, V]
-        first = int(logits.argmax(-1) if sampling.greedy else sample(probs(logits, sampling), generator))
+        first = int(top_token(logits[0]) if sampling.greedy else sample(probs(logits, sampling), generator))
         if drafter is not None:
             drafter.start(ids)
         stats.target_forwards = 1

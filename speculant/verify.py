@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sampling import top_token
+
 
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
     """draft [k], target_logits [k+1, V] -> (tokens [k+1], n_accepted []).
@@ -23,7 +25,7 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]
     Emitted tokens are tokens[: n_accepted + 1]; accepted drafts equal the target's argmax, so
     the emitted run is just the argmax prefix.
     """
-    best = target_logits.argmax(-1)  # [k+1]
+    best = top_token(target_logits)  # [k+1]
     k = draft.shape[0]
     n = torch.cumprod((draft == best[:k]).to(torch.int64), 0).sum() if k else best.new_zeros(())
     return best, n

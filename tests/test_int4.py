@@ -204,30 +204,54 @@ def test_module_conversions_and_copies_keep_working():
     assert torch.equal(copy.deepcopy(lin)(x), ref)
 
 
-def _needs_bf16():
+def _prefill_path(path: str, monkeypatch) -> None:
+    """Make long passes take `path` ("amx" or "onednn"), or skip where this CPU lacks it."""
     from speculant.models import int4
 
     if not int4.bf16_prefill_available():
         pytest.skip("this CPU has no AVX512-BF16 (or SPECULANT_INT4_PREFILL=int8): long passes use the integer kernel")
+    if path == "amx" and not int4.amx_prefill_available():
+        pytest.skip("this CPU has no AMX (or SPECULANT_INT4_PREFILL=onednn): long passes use oneDNN")
+    if path == "onednn":
+        monkeypatch.setattr(int4, "amx_prefill_available", lambda: False)
 
 
-@pytest.mark.parametrize("N,K", [(40, 64), (13, 96), (300, 256)])
-def test_long_passes_multiply_the_stored_weights_in_bf16(N, K, monkeypatch):
+@pytest.mark.parametrize("path", ["amx", "onednn"])
+@pytest.mark.parametrize("N,K", [(40, 64), (13, 96), (300, 256), (136, 64)])
+def test_long_passes_multiply_the_stored_weights_in_bf16(N, K, path, monkeypatch):
     from speculant.models import int4
 
-    _needs_bf16()
-    monkeypatch.setattr(int4, "_BF16_CHUNK_BYTES", 64 * K * 2)  # several chunks, a ragged last one
+    _prefill_path(path, monkeypatch)
+    monkeypatch.setattr(int4, "_BF16_CHUNK_BYTES", 64 * K * 2)  # oneDNN: several chunks, a ragged last one
     lin = Int4Linear.from_float(rnd(N, K, seed=30), rnd(N, seed=31))
     x = rnd(int4.BF16_MIN_ROWS + 9, K, seed=32)
     y = lin(x)
     # The expanded weights are exactly the stored ones rounded to bf16; the GEMM accumulates in fp32.
     ref = (x.bfloat16().double() @ lin.dequantized().bfloat16().double().T + lin.bias.double())
     assert y.shape == (x.shape[0], N) and y.dtype == torch.float32
-    assert ((y.double() - ref).norm() / ref.norm()) < 1e-2  # bf16 output rounding: ~2^-9
+    # oneDNN rounds its outputs to bf16 (~2^-9); the AMX tiles keep fp32 sums
+    assert ((y.double() - ref).norm() / ref.norm()) < (1e-2 if path == "onednn" else 1e-6)
     full = x.double() @ lin.dequantized().double().T + lin.bias.double()
     # and at least as close to the stored weights as the integer kernel's 8-bit activations
     integer = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])]).double()
     assert (y.double() - full).norm() <= (integer - full).norm() * 1.1
+
+
+def test_amx_prefill_rows_do_not_depend_on_the_thread_count_or_padding(monkeypatch):
+    """Rows go through the tiles 16 at a time (the last pass padded with zero rows), outputs 64 at a
+    time (N = 136: two tasks, the second with one pair and one odd block); each output is summed by
+    one thread in a fixed order."""
+    _prefill_path("amx", monkeypatch)
+    lin = Int4Linear.from_float(rnd(136, 128, seed=35), None)
+    x = rnd(50, 128, seed=36)
+    ref = lin(x)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), ref)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(lin(x[:33]), ref[:33])  # fewer rows: another padding of the last pass
 
 
 def test_short_passes_never_take_the_bf16_path():

@@ -58,3 +58,13 @@ def test_seeded_sampling_repeats_and_differs_by_seed():
 def test_invalid_sampling_values(kwargs, match):
     with pytest.raises(SpeculantError, match=match):
         SamplingConfig(**kwargs)
+
+
+def test_top_token_is_argmax_with_the_first_index_on_ties():
+    from speculant.sampling import top_token
+
+    x = torch.randn(5, 151936, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(top_token(x), x.argmax(-1))
+    tied = torch.zeros(2, 1000)
+    tied[:, [7, 500, 999]] = 1.0
+    assert top_token(tied).tolist() == [7, 7] and int(top_token(tied[0])) == 7

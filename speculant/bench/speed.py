@@ -21,6 +21,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..models.quant import WEIGHT_FORMATS
 from ..models.transformer import Transformer
+from ..sampling import top_token
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
 DEFAULT_DTYPES = ("int4", "int8", "float32")  # int4 only where its kernel builds (see default_dtypes)
@@ -154,14 +155,14 @@ def decode_tps(model: Transformer, ids: Sequence[int], tokens: int, warmup: int 
 
     Returns (tok/s, the greedy continuation: the prefill's token, then the `tokens` decoded ones)."""
     cache = model.new_cache(len(ids) + max(tokens, warmup) + 1)
-    first = int(model(torch.tensor(list(ids), device=model.device), cache, logit_rows=slice(-1, None)).logits.argmax(-1))
+    first = int(top_token(model(torch.tensor(list(ids), device=model.device), cache, logit_rows=slice(-1, None)).logits[0]))
     base = cache.length
 
     def run(n: int) -> list[int]:
         cache.rollback(base)
         tok, out = first, []
         for _ in range(n):
-            tok = int(model(torch.tensor([tok], device=model.device), cache).logits[-1].argmax())
+            tok = int(top_token(model(torch.tensor([tok], device=model.device), cache).logits[-1]))
             out.append(tok)
         return out
 

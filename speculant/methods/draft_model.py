@@ -9,6 +9,7 @@ itself doubts is likely rejected, and a target forward over it would be wasted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 from ..errors import SpeculantError
 from ..models.quant import QLinear
 from ..models.transformer import Transformer
-from ..sampling import SamplingConfig, probs, sample
+from ..sampling import SamplingConfig, probs, sample, top_token
 from .base import Draft
 
 
@@ -80,6 +81,7 @@ class DraftModelDrafter:
         device = self.model.device
         greedy = self.sampling.greedy
         threshold = self.cfg.min_confidence
+        log_threshold = math.log(threshold) if threshold > 0 else -math.inf
         room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
         k = max(0, min(k, room))
         guess = list(guess[: max(0, k - 1)])  # the first forward leaves room for one token of its own
@@ -99,13 +101,13 @@ class DraftModelDrafter:
                         qs.append(torch.nn.functional.one_hot(tokens[-1], self.target_vocab).float())
                 logits = out.logits[n]
                 rows = 1
-            logits = self._fit(logits)  # [V_target]
             if greedy:
-                tok = logits.argmax(-1, keepdim=True)
-                if threshold > 0 and logits.softmax(-1).max() < threshold:
+                logits = logits[: self.target_vocab]  # as sampling.top_token, with the top logit kept
+                top, tok = logits.max(-1, keepdim=True)
+                if threshold > 0 and float(top - logits.logsumexp(-1)) < log_threshold:  # top probability
                     break
             else:
-                q = probs(logits, self.sampling)
+                q = probs(self._fit(logits), self.sampling)
                 if threshold > 0 and q.max() < threshold:
                     break
                 tok = sample(q, generator).reshape(1)
@@ -118,7 +120,7 @@ class DraftModelDrafter:
 
     def _agreed(self, logits: torch.Tensor, guess: list[int]) -> int:
         """How many leading guess tokens equal the draft's argmax (logits [len(guess) + 1, V]): one host sync."""
-        pred = logits[:-1, : self.target_vocab].argmax(-1)
+        pred = top_token(logits[:-1, : self.target_vocab])
         same = pred == torch.tensor(guess, device=pred.device)
         return int(same.cumprod(0).sum())
 

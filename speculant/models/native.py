@@ -25,7 +25,8 @@ import torch
 from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
+SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c",
+           _KERNELS / "q4_amx.c")
 HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
@@ -142,6 +143,10 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     lib.silu_mul_rows.restype = None
     lib.q4_blocks.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, i64, i32]
     lib.q4_blocks.restype = i32
+    lib.q4_amx_init.argtypes = []
+    lib.q4_amx_init.restype = i32
+    lib.q4_matmul_amx.argtypes = [p, i64, i64, p, p, i64, p, f32, p, i32]
+    lib.q4_matmul_amx.restype = i32
     return lib
 
 
