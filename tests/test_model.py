@@ -122,6 +122,33 @@ def test_taps_return_requested_layers_and_logit_rows():
     assert out.logits.shape == (1, 64)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkeypatch):
+    from speculant.models import transformer
+
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 40)  # 100 tokens: chunks of 40, 40 and 20
+    m = tiny_model(64, fmt=fmt, layers=3, context=256).model
+    tokens = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(4))
+    c1, c2 = m.new_cache(128), m.new_cache(128)
+    whole = m(tokens, c1, taps=(1,))
+    parts = [m(tokens[s : s + 40], c2, taps=(1,)) for s in (0, 40, 80)]
+    assert torch.equal(whole.logits, torch.cat([p.logits for p in parts]))
+    assert torch.equal(whole.taps[1], torch.cat([p.taps[1] for p in parts]))
+    assert c1.length == c2.length == 100 and torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v)
+    for rows in (slice(-1, None), slice(30, 50), torch.tensor([0, 39, 40, 99]), slice(0, 0)):
+        c3 = m.new_cache(128)
+        got = m(tokens, c3, logit_rows=rows).logits
+        # the output layer over fewer rows may round differently (float32 GEMMs; int4 takes the
+        # integer kernel below 33 rows), so: the same rows, to that precision
+        assert got.shape == whole.logits[rows].shape
+        ref = whole.logits[rows]
+        tol = 0.02 * float(whole.logits.abs().max()) if fmt == "int4" else 1e-4  # int4: 8-bit activations vs bf16
+        assert torch.allclose(got, ref, atol=tol)
+    with pytest.raises(SpeculantError, match="context"):
+        m(tokens, c1)  # 100 more do not fit: refused before any chunk runs
+    assert c1.length == 100
+
+
 def test_context_overflow_is_a_clear_error():
     m = tiny_model(16).model
     c = m.new_cache(4)

@@ -81,17 +81,17 @@ AMX static void expand_group(const uint8_t *qa, const uint8_t *qb, const uint16_
 
 #define PAIRS 4 /* pairs of blocks (64 output rows) per task: one A tile load serves four B tiles */
 
-static inline void store_tile(const float *c, float *y, int64_t N, int64_t n0, int cols, int64_t mb, int64_t M,
-                              const float *bias) {
-    for (int64_t m = mb; m < M && m < mb + 16; m++) {
-        float *yr = y + m * N + n0;
-        const float *cr = c + (m - mb) * 16;
-        for (int j = 0; j < cols; j++) yr[j] = bias ? cr[j] + bias[n0 + j] : cr[j];
-    }
+AMX static inline void store_tile(const float *c, float *y, int64_t N, int64_t n0, int cols, int64_t mb, int64_t M,
+                                  const float *bias) {
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int64_t m = mb; m < M && m < mb + 16; m++)
+        _mm512_mask_storeu_ps(y + m * N + n0, keep, _mm512_add_ps(_mm512_load_ps(c + (m - mb) * 16), b));
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias) with xb = x as bf16, padded with zero rows to a multiple of 16
- * rows. Returns 0, -1 if scratch memory ran out, -2 if Linux refused the AMX state. */
+/* y[M, N] = x[M, K] @ W^T (+ bias) with xb = x as bf16, padded with zero rows to Mp, a multiple of
+ * 16 rows, and laid out as A tiles [Mp / 16][K / 32][16][32] (each tile 1 KB, contiguous, so the
+ * passes stream through it). Returns 0, -1 if scratch memory ran out, -2 if Linux refused the AMX state. */
 AMX int q4_matmul_amx(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *sc, int64_t N,
                       const float *bias, float gscale, float *y, int nthreads) {
     const int64_t G = K / QK, NB = (N + RB - 1) / RB, pairs = (NB + 1) / 2, Mp = (M + 15) / 16 * 16;
@@ -132,9 +132,9 @@ AMX int q4_matmul_amx(const uint16_t *xb, int64_t M, int64_t K, const uint8_t *q
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                const uint16_t *xr = xb + m0 * K;
+                const uint16_t *xr = xb + m0 * K; /* this pass's A tiles, [G][16][32] */
                 for (int64_t g = 0; g < G; g++) {
-                    _tile_loadd(4, xr + g * QK, K * 2);
+                    _tile_loadd(4, xr + g * 512, 64);
                     _tile_loadd(5, w0 + g * 512, 64);
                     _tile_dpbf16ps(0, 4, 5);
                     if (np > 1) {

@@ -241,9 +241,11 @@ class Int4Linear(QLinear):
         return y
 
     def _forward_amx(self, x: Tensor) -> Tensor:  # x [M, K] fp32, M > BF16_MIN_ROWS -> [M, N]
-        M = x.shape[0]
-        xb = torch.zeros(-(-M // 16) * 16, self.in_features, dtype=torch.bfloat16)  # rows padded for the tiles
+        M, K = x.shape
+        Mp = -(-M // 16) * 16
+        xb = torch.zeros(Mp, K, dtype=torch.bfloat16)  # rows padded for the tiles
         xb[:M] = x
+        xb = xb.view(Mp // 16, 16, K // GROUP, GROUP).transpose(1, 2).contiguous()  # [Mp/16, G, 16, 32]: A tiles
         y = torch.empty(M, self.out_features, dtype=torch.float32)
         q, s, n, b, gs = self._args
         rc = _library().q4_matmul_amx(xb.data_ptr(), M, self.in_features, q, s, n, b, gs, y.data_ptr(),

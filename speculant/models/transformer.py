@@ -35,6 +35,12 @@ from .quant import QLinear
 # use one batched attention call.
 ROW_WISE_MAX = 32
 
+# Longer causal passes (prompts) on the CPU go through in chunks of this many tokens: the int4 AMX
+# kernel keeps a chunk's activations in L2 (1.5B, 1024-token prompt: 3.2 s in chunks of 384 vs
+# 4.4 s whole, and 4.1 s through oneDNN; chunks of 256: 3.3 s, 512: 3.9 s), and the activations of
+# a long prompt never need more memory than a chunk's.
+PREFILL_CHUNK = 384
+
 
 @dataclass(slots=True)
 class Output:
@@ -159,6 +165,8 @@ class Transformer(nn.Module):
     ) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
+        if mask is None and S > PREFILL_CHUNK and tokens.device.type == "cpu":
+            return self._chunked(tokens, cache, positions, taps, logit_rows, head)
         if positions is None:
             positions = torch.arange(start, end, device=tokens.device)
         row_wise = mask is None and S <= ROW_WISE_MAX
@@ -183,6 +191,26 @@ class Transformer(nn.Module):
             x = x[logit_rows]
         logits = (head or self.lm_head)(rms_norm(x, self.norm, self.cfg.norm_eps))
         return Output(logits, tapped)
+
+    def _chunked(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, taps: tuple[int, ...],
+                 logit_rows: slice | Tensor | None, head: QLinear | None) -> Output:
+        """A long causal pass as consecutive passes of at most PREFILL_CHUNK tokens (logit_rows ascending)."""
+        S = tokens.shape[0]
+        rows = None if logit_rows is None else torch.arange(S, device=tokens.device)[logit_rows]
+        logits: list[Tensor] = []
+        tapped: dict[int, list[Tensor]] = {}
+        for s0 in range(0, S, PREFILL_CHUNK):
+            s1 = min(s0 + PREFILL_CHUNK, S)
+            lr: slice | Tensor | None = None
+            if rows is not None:
+                sel = rows[(rows >= s0) & (rows < s1)] - s0
+                lr = sel if sel.numel() else slice(0, 0)
+            out = self.forward(tokens[s0:s1], cache, None if positions is None else positions[s0:s1], None, taps,
+                               lr, head)
+            logits.append(out.logits)
+            for layer, t in out.taps.items():
+                tapped.setdefault(layer, []).append(t)
+        return Output(torch.cat(logits), {layer: torch.cat(ts) for layer, ts in tapped.items()})
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
