@@ -1,8 +1,9 @@
-"""Raw forward timings of an int4 model: prompt prefill tok/s, and decode/verify passes split into
-the int4 matmuls and everything else (the timing loops are `speculant bench speed`'s own).
+"""Raw forward timings of an int4 model: prompt prefill tok/s, and decode/verify passes, whole and
+split into the int4 matmuls and everything else (the timing loops are `speculant bench speed`'s own).
 
 Usage: .venv/bin/python scripts/step_timing.py MODEL   (e.g. qwen2.5-coder-1.5b-instruct)
-Set SPECULANT_INT4_PREFILL=int8 to time prompts through the integer kernel instead of the bf16 GEMMs.
+Set SPECULANT_INT4_PREFILL=int8 to time prompts through the integer kernel instead of bf16 (=onednn:
+through oneDNN's GEMM instead of the AMX kernel).
 Last, the whole forward is timed once per build of the int4 kernel this CPU runs (native.ISAS), in
 turns, so their ratio is measured side by side.
 """
@@ -39,14 +40,20 @@ def timed(self, x):
 for S in (1, 4, 7):
     rows[0] = S
     total = cost_curve(model, ids[:256], (S,), REPEATS)[S]
+    # the split needs the Python path between the kernels (the fused C loop of models/fused.py
+    # calls them without passing through Int4Linear.forward)
+    model._fused = False
+    python_path = cost_curve(model, ids[:256], (S,), REPEATS)[S]
     Int4Linear.forward, in_linears[0] = timed, 0.0
     cost_curve(model, ids[:256], (S,), REPEATS)  # REPEATS + 1 forwards of S tokens (one warm-up)
     Int4Linear.forward = plain
+    model._fused = None  # rebuilt on the next short pass
     linear_ms = in_linears[0] / (REPEATS + 1) * 1e3
-    print(f"{name}: {S} new tokens on a 256-token cache {total:.2f} ms per forward (median), "
-          f"{linear_ms:.2f} ms of it in int4 linears (mean)")
+    print(f"{name}: {S} new tokens on a 256-token cache {total:.2f} ms per forward (median; "
+          f"{python_path:.2f} ms with Python between the kernels, {linear_ms:.2f} ms of that in int4 linears)")
 
 
+model._fused = False  # the builds are swapped per Int4Linear, which the fused C loop does not go through
 builds = native.supported_isas()
 fns = {isa: int4._library(isa).q4_matmul for isa in builds}
 linears = [m for m in model.modules() if isinstance(m, Int4Linear)]

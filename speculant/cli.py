@@ -23,8 +23,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
     p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid"), default=None,
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
-                        "(lookup where it matches, the draft model elsewhere); default: hybrid if --draft is given, "
-                        "else ar")
+                        "(the draft model, checking prompt lookup's guesses in one forward); "
+                        "default: hybrid if --draft is given, else ar")
     p.add_argument("--dtype", default=None, help="weight format: float32 (reference), int8, or int4 (default on x86 CPUs with AVX2 and gcc)")
     p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")

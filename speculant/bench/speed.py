@@ -155,7 +155,8 @@ def decode_tps(model: Transformer, ids: Sequence[int], tokens: int, warmup: int 
 
     Returns (tok/s, the greedy continuation: the prefill's token, then the `tokens` decoded ones)."""
     cache = model.new_cache(len(ids) + max(tokens, warmup) + 1)
-    first = int(top_token(model(torch.tensor(list(ids), device=model.device), cache, logit_rows=slice(-1, None)).logits[0]))
+    prompt = torch.tensor(list(ids), device=model.device)
+    first = int(top_token(model(prompt, cache, logit_rows=slice(-1, None)).logits[0]))
     base = cache.length
 
     def run(n: int) -> list[int]:
