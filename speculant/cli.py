@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
     p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid"), default=None,
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
-                        "(the draft model, checking prompt lookup's guesses in one forward); "
+                        "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model); "
                         "default: hybrid if --draft is given, else ar")
     p.add_argument("--dtype", default=None, help="weight format: float32 (reference), int8, or int4 (default on x86 CPUs with AVX2 and gcc)")
     p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
@@ -35,6 +35,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model stops drafting when its top probability falls below this (default 0.5; 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only among the first N token ids (smaller draft output layer; default 65536, 0 = all)")
+    p.add_argument("--draft-context", type=int, default=None,
+                   help="the draft model reads only the last N prompt tokens (0 = all; default: 256 for hybrid, whose "
+                        "lookup sees them all, all for draft): cheaper draft prefill of long prompts")
+    p.add_argument("--hybrid-check", choices=("auto", "always", "never"), default=None,
+                   help="hybrid: does the draft model check prompt lookup's guesses? auto (default: whichever yields "
+                        "more per cost in this generation), always, never")
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--ngram-min", type=int, default=None,
                    help="shortest n-gram prompt lookup accepts as a match (default: 1 for lookup, 2 for hybrid)")
@@ -85,6 +91,7 @@ def load_engine(args: argparse.Namespace):
     from .engine import MODEL_METHODS, Engine, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
+    from .methods.hybrid import HybridConfig
     from .methods.lookup import LookupConfig
     from .models import load_model
     from .runtime import configure_threads
@@ -106,7 +113,9 @@ def load_engine(args: argparse.Namespace):
         DraftModelConfig(
             args.min_confidence if args.min_confidence is not None else dm.min_confidence,
             args.draft_vocab if args.draft_vocab is not None else dm.vocab,
+            args.draft_context,
         ),
+        HybridConfig(args.hybrid_check or HybridConfig().check),
     )
     progress = not args.no_progress
     target = load_model(args.model, args.dtype, device=args.device, progress=progress)

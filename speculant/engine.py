@@ -21,7 +21,7 @@ import torch
 from .errors import SpeculantError
 from .methods.base import DraftLength, DraftLengthConfig, Drafter
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
-from .methods.hybrid import HYBRID_MIN_NGRAM, HybridDrafter
+from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
 from .sampling import SamplingConfig, probs, sample, top_token
@@ -54,6 +54,7 @@ class MethodConfig:
     draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -64,7 +65,8 @@ _SPEC_KEYS = {
     "k": ("draft_length", "k", int), "schedule": ("draft_length", "schedule", str),
     "max_k": ("draft_length", "max_k", int), "conf": ("draft_model", "min_confidence", float),
     "vocab": ("draft_model", "vocab", int), "ngram": ("lookup", "max_ngram", int),
-    "ngram_min": ("lookup", "min_ngram", int),
+    "ngram_min": ("lookup", "min_ngram", int), "ctx": ("draft_model", "context", int),
+    "check": ("hybrid", "check", str),
 }
 
 
@@ -116,11 +118,16 @@ class Engine:
         self.draft = draft
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
         self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
+        self._draft_cost = 0.0
         if self.method.name in MODEL_METHODS:
             if draft is None:
                 raise SpeculantError(f"--method {self.method.name} needs a draft model (--draft MODEL)")
             check_compatible(target, draft)
             self._draft_head = reduced_head(draft.model, self.method.draft_model)
+            # A draft forward in target forwards: decoding streams the weights, so their bytes.
+            head = self._draft_head or draft.model.lm_head
+            self._draft_cost = ((draft.model.weight_bytes_per_token() - draft.model.lm_head.weight_bytes()
+                                 + head.weight_bytes()) / target.model.weight_bytes_per_token())
         self.tokenizer = target.tokenizer
 
     def encode_prompt(self, prompt: str | list[int], *, chat: bool = False, system: str | None = None) -> list[int]:
@@ -150,11 +157,13 @@ class Engine:
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name in MODEL_METHODS:
             assert self.draft is not None
-            model = DraftModelDrafter(self.draft.model, sampling, m.draft_model, max_len,
+            dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)
+            model = DraftModelDrafter(self.draft.model, sampling, dm, max_len,
                                       self.target.config.vocab_size, self._draft_head)
             if m.name == "draft":
                 return model
-            return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model)
+            return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model,
+                                 m.hybrid, self._draft_cost)
         return None
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:

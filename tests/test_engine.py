@@ -10,8 +10,9 @@ from conftest import tiny_model
 from speculant.engine import Chunk, Done, Engine, GenerationConfig, MethodConfig
 from speculant.errors import SpeculantError
 from speculant.methods.base import DraftLengthConfig
-from speculant.methods.draft_model import DraftModelConfig
-from speculant.methods.lookup import LookupConfig
+from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
+from speculant.methods.hybrid import HybridConfig, HybridDrafter
+from speculant.methods.lookup import LookupConfig, LookupDrafter
 from speculant.sampling import SamplingConfig, probs
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
@@ -34,6 +35,10 @@ def engines(target, draft, **dl):
         "confident": Engine(target, draft, MethodConfig("draft", cfg, draft_model=DraftModelConfig(0.5))),
         "hybrid": Engine(target, draft, MethodConfig("hybrid", cfg)),
         "hybrid-2": Engine(target, draft, MethodConfig("hybrid", cfg, LookupConfig(max_ngram=3, min_ngram=2))),
+        "hybrid-always": Engine(target, draft, MethodConfig("hybrid", cfg, hybrid=HybridConfig("always"))),
+        "hybrid-never": Engine(target, draft, MethodConfig("hybrid", cfg, hybrid=HybridConfig("never"))),
+        # the draft reads only the prompt's last 5 tokens (PROMPT has 15)
+        "draft-context": Engine(target, draft, MethodConfig("draft", cfg, draft_model=DraftModelConfig(context=5))),
     }
 
 
@@ -122,6 +127,7 @@ def _exact_marginals(target, prompt, sampling, n_tokens):
     ("draft", SamplingConfig(1.0), 0.35),
     ("lookup", SamplingConfig(1.3), 0.0),
     ("hybrid", SamplingConfig(1.0, top_p=0.8), 0.0),
+    ("hybrid-never", SamplingConfig(0.8, top_k=3), 0.0),  # unchecked guesses, then the model's own drafts
 ])
 def test_every_generated_position_has_the_targets_distribution(method, sampling, confidence):
     """Speculative sampling through the whole engine reproduces target-only sampling (chi-square).
@@ -138,10 +144,11 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     exp = _exact_marginals(target, prompt, sampling, n_tok)
     # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
     # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
-    lookup = LookupConfig(3, min_ngram=3 if method == "hybrid" else 1)
-    e = Engine(target, draft if method in ("draft", "hybrid") else None,
-               MethodConfig(method, DraftLengthConfig(k=3, schedule="fixed"), lookup,
-                            DraftModelConfig(min_confidence=confidence)))
+    name, _, check = method.partition("-")
+    lookup = LookupConfig(3, min_ngram=3 if name == "hybrid" else 1)
+    e = Engine(target, draft if name in ("draft", "hybrid") else None,
+               MethodConfig(name, DraftLengthConfig(k=3, schedule="fixed"), lookup,
+                            DraftModelConfig(min_confidence=confidence), HybridConfig(check or "auto")))
     counts = torch.zeros(n_tok, V)
     drafted = accepted = 0
     for i in range(runs):
@@ -217,8 +224,6 @@ def test_parse_method_variants():
 def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
     """Hybrid hands prompt lookup's continuation to the draft model as a guess: one forward scores it,
     and the leading tokens the draft agrees with are its proposal, as if it had drafted them one by one."""
-    from speculant.methods.draft_model import DraftModelDrafter
-
     target, draft = pair
     calls = []
     model = draft.model
@@ -250,3 +255,35 @@ def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
         fresh = DraftModelDrafter(model, SamplingConfig(0.0), DraftModelConfig(min_confidence=0.0), 64, 32)
         fresh.start(PROMPT + [7] + got)
         assert torch.equal(d.propose(11, 3, None).tokens, fresh.propose(11, 3, None).tokens)
+
+
+class _FixedGuess(LookupDrafter):
+    """Prompt lookup that always guesses token 31 (which the 16-id draft below never proposes)."""
+
+    def guess(self, pending: int, k: int) -> list[int]:
+        return [31] * k
+
+
+@pytest.mark.parametrize("lookup_right", [True, False])
+def test_auto_hybrid_sends_guesses_unchecked_only_while_they_yield_more(pair, lookup_right):
+    """check="auto" weighs what unchecked guesses would have given against the checked rounds'
+    tokens per cost. A simulated target accepts either the guesses or the draft's own tokens."""
+    _, draft = pair
+    cfg = DraftModelConfig(min_confidence=0.0, vocab=16)
+    model = DraftModelDrafter(draft.model, SamplingConfig(0.0), cfg, 256, 32, reduced_head(draft.model, cfg))
+    h = HybridDrafter(_FixedGuess(LookupConfig()), model, HybridConfig("auto", explore=8), draft_cost=0.3)
+    h.start(PROMPT)
+    pending, checked = 7, 0
+    for _ in range(24):
+        tokens = h.propose(pending, 4, None).tokens.tolist()
+        assert len(tokens) == 4
+        checked += h.checked
+        n = 0
+        while n < 4 and (tokens[n] == 31) == lookup_right:
+            n += 1
+        h.commit([pending] + tokens[:n], len(tokens))
+        pending = 5
+    if lookup_right:  # the first round (no numbers yet) and every 8th guess round are checked
+        assert checked == 1 + 24 // 8
+    else:  # unchecked guesses would yield 1 token per round; checked ones 5 for 1 + 4 x 0.3 steps
+        assert checked == 24

@@ -35,7 +35,7 @@ class MethodsConfig:
         bad = [m for m in self.methods if method_name(m) not in METHODS]
         if bad:
             raise SpeculantError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)} "
-                                 "(variants: e.g. draft:k=4,schedule=fixed,conf=0.4,vocab=32768)")
+                                 "(variants: e.g. draft:k=4,schedule=fixed,conf=0.4,vocab=32768,ctx=0 or hybrid:check=always)")
         if len(set(self.methods)) != len(self.methods):
             raise SpeculantError("--methods lists a method twice")
         if self.max_new_tokens < 2:
