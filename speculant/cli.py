@@ -30,7 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,
                    help="fixed k, or grow on full acceptance / shrink otherwise")
-    p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length (at most 31: the target checks 1 + k tokens per pass)")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="draft model stops drafting when its top probability falls below this (default 0.5; 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None,
@@ -44,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--ngram-min", type=int, default=None,
                    help="shortest n-gram prompt lookup accepts as a match (default: 1 for lookup, 2 for hybrid)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads, >= 1 (default: $SPECULANT_THREADS, else one per physical core within the container's CPU quota)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
@@ -122,7 +122,7 @@ def load_engine(args: argparse.Namespace):
     draft = None
     if args.draft:
         draft = load_model(args.draft, args.draft_dtype or args.dtype, device=args.device, progress=progress)
-    return Engine(target, draft, cfg)
+    return Engine(target, draft, cfg, threads=args.threads)
 
 
 def _gen_config(args: argparse.Namespace):

@@ -24,6 +24,7 @@ from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_he
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
+from .runtime import configure_threads
 from .sampling import SamplingConfig, probs, sample, top_token
 from .stats import Stats
 from .verify import verify_greedy, verify_sampled
@@ -113,7 +114,10 @@ class Done:
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
-                 method: MethodConfig | None = None) -> None:
+                 method: MethodConfig | None = None, *, threads: int | None = None) -> None:
+        # CPU threads as the CLI sets them: `threads`, else $SPECULANT_THREADS, else one per physical
+        # core within the container's CPU quota (torch's own default counts every visible CPU).
+        self.threads = configure_threads(threads)
         self.target = target
         self.draft = draft
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
@@ -146,10 +150,21 @@ class Engine:
         ctx = self.target.config.context_length
         if len(ids) >= ctx:
             raise SpeculantError(f"the prompt has {len(ids)} tokens but the model's context holds {ctx}; shorten it")
-        vocab = self.target.config.vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise SpeculantError(f"prompt token ids must be in [0, {vocab})")
+        self._check_ids(ids)
         return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
+        """Prompt ids must be tokens: rows of the embedding that the tokenizer also knows (a draft model has
+        at least the tokenizer's rows: `check_compatible`)."""
+        rows = self.target.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < rows), None)
+        if bad is not None:
+            raise SpeculantError(f"prompt token id {bad} is out of range: the model has {rows} token ids (0..{rows - 1})")
+        known = self.tokenizer.vocab_size
+        bad = next((t for t in ids if t >= known), None)
+        if bad is not None:  # e.g. Qwen2.5: 151,665 tokens, 151,936 embedding rows
+            raise SpeculantError(f"prompt token id {bad} is not a token: the tokenizer has {known} (0..{known - 1}); "
+                                 f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
     def _drafter(self, sampling: SamplingConfig, max_len: int) -> Drafter | None:
         m = self.method

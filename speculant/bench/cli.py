@@ -122,7 +122,8 @@ def _methods(args: argparse.Namespace) -> int:
     ns.method, ns.draft = ("draft", args.draft) if need_draft else ("ar", None)
     base = load_engine(ns)
     specs = {name: parse_method(name, base.method) for name in cfg.methods}
-    engines = {name: Engine(base.target, base.draft if spec.name in MODEL_METHODS else None, spec)
+    engines = {name: Engine(base.target, base.draft if spec.name in MODEL_METHODS else None, spec,
+                            threads=base.threads)
                for name, spec in specs.items()}
     peers = None
     if "transformers" in args.against:

@@ -14,6 +14,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..models.transformer import ROW_WISE_MAX
+
+# The target scores [pending, *drafts] in one pass. Passes of at most ROW_WISE_MAX tokens compute
+# every row as a pass of one token would (row-wise attention, the integer int4 kernel), so greedy
+# speculative output stays identical to `ar`; longer passes take the prefill path (batched attention,
+# bf16 GEMMs), whose rounding differs. Hence at most ROW_WISE_MAX - 1 drafts per round.
+MAX_DRAFT_TOKENS = ROW_WISE_MAX - 1
+
 
 @dataclass(slots=True)
 class Draft:
@@ -56,6 +64,12 @@ class DraftLengthConfig:
 
         if self.k < 1 or self.max_k < self.k:
             raise SpeculantError(f"draft tokens must satisfy 1 <= k ({self.k}) <= max ({self.max_k})")
+        if self.max_k > MAX_DRAFT_TOKENS:
+            raise SpeculantError(
+                f"at most {MAX_DRAFT_TOKENS} draft tokens per round are supported (--max-draft-tokens/--draft-tokens, "
+                f"got {self.max_k}): the target checks 1 + k tokens in one pass, and only passes of up to "
+                f"{ROW_WISE_MAX} tokens give bit-for-bit the results of decoding one token at a time, which "
+                "keeps greedy output identical to --method ar")
         if self.schedule not in ("fixed", "heuristic"):
             raise SpeculantError(f"unknown draft-length schedule {self.schedule!r}; choose fixed or heuristic")
 

@@ -75,6 +75,7 @@ class DraftModelDrafter:
         # Vocabularies may differ by padding rows only (checked up front): the draft never proposes
         # an id the target lacks, and q is laid out over the target's vocabulary.
         self.target_vocab = target_vocab
+        self.rows = model.cfg.vocab_size  # ids the draft can embed
         self.sampling = sampling
         self.cfg = cfg
         self.cache = model.new_cache(max_len)
@@ -87,7 +88,7 @@ class DraftModelDrafter:
             prompt = prompt[-self.cfg.context :]
         self.cache.rollback(0)
         if len(prompt) > 1:
-            self.model(torch.tensor(prompt[:-1], device=self.model.device), self.cache, logit_rows=slice(0, 0))
+            self.model(self._ids(prompt[:-1]), self.cache, logit_rows=slice(0, 0))
         self.committed = self.cache.length
         self.unfed = prompt[-1:]
 
@@ -102,7 +103,7 @@ class DraftModelDrafter:
         room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
         k = max(0, min(k, room))
         guess = list(guess[: max(0, k - 1)])  # the first forward leaves room for one token of its own
-        feed = torch.tensor(self.unfed + [pending] + guess, device=device)
+        feed = self._ids(self.unfed + [pending] + guess)
         tokens: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
         rows = len(guess) + 1
@@ -135,6 +136,13 @@ class DraftModelDrafter:
         # Cache now holds: committed, unfed, pending, and all drafts but (at least) the last.
         draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=device)
         return Draft(draft, torch.cat(qs) if qs else None)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Token ids as the draft's input [len(ids)]. The target may emit an id of its padding rows (its
+        embedding can be larger than the tokenizer and the draft's): the draft reads its last row
+        instead. That only changes what the draft proposes, never what is emitted."""
+        t = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        return t.clamp_(max=self.rows - 1) if any(i >= self.rows for i in ids) else t
 
     def _agreed(self, logits: torch.Tensor, guess: list[int]) -> int:
         """How many leading guess tokens equal the draft's argmax (logits [len(guess) + 1, V]): one host sync."""
