@@ -25,7 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
                         "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model); "
                         "default: hybrid if --draft is given, else ar")
-    p.add_argument("--dtype", default=None, help="weight format: float32 (reference), int8, or int4 (default on x86 CPUs with AVX2 and gcc)")
+    p.add_argument("--dtype", default=None, help="weight format: gguf (a .gguf file's own block types, the default for .gguf files), "
+                   "bf16/f16 (default for HF folders storing them), q8_0, q5_1, q5_0, q4_1, q4_0 (quantize on load), "
+                   "int8, float32 (the reference)")
     p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,

@@ -6,6 +6,10 @@ every model load. The header format is small and fixed (magic, version, key/valu
 infos; https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), so it is parsed here with
 `struct` in well under a second. The constants (value types, quantisation block sizes) and the
 dequantisation kernels stay the `gguf` package's.
+
+Every count and length in the header is checked against the bytes left before it is used, so a
+damaged or hostile file fails at once with a SpeculantError instead of looping or allocating for
+ages (tests/test_fuzz.py feeds it tens of thousands of damaged headers).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from .errors import SpeculantError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NESTING = 8  # arrays of arrays: real files have none, llama.cpp reads any; deeper is damage
+_MIN_SIZE = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}  # bytes of the smallest value (else its scalar)
 _SCALARS = {  # value type -> struct format (little-endian)
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
@@ -59,22 +66,29 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return v
 
-    def string(self) -> str:
+    def count(self, what: str, item_bytes: int) -> int:
+        """A u64 count of items of at least `item_bytes` each, which must fit in the bytes left."""
         n = self.unpack("<Q")
-        end = self.pos + n
-        if end > len(self.buf):
-            raise struct.error("string runs past the end of the file")
-        s = bytes(self.buf[self.pos : end]).decode("utf-8", "replace")
-        self.pos = end
+        if n * item_bytes > len(self.buf) - self.pos:
+            raise ValueError(f"{what} count {n:,} does not fit in the {len(self.buf) - self.pos:,} bytes left")
+        return n
+
+    def string(self) -> str:
+        n = self.count("string byte", 1)
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", "replace")
+        self.pos += n
         return s
 
-    def value(self, vtype: int) -> object:
+    def value(self, vtype: int, depth: int = 0) -> object:
         vtype = GGUFValueType(vtype)
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype != GGUFValueType.ARRAY:
             return self.unpack(_SCALARS[vtype])
-        etype, count = GGUFValueType(self.unpack("<I")), self.unpack("<Q")
+        if depth >= _MAX_NESTING:
+            raise ValueError(f"arrays nested more than {_MAX_NESTING} deep")
+        etype = GGUFValueType(self.unpack("<I"))
+        count = self.count("array", _MIN_SIZE.get(etype) or struct.calcsize(_SCALARS[etype]))
         if etype in _NUMPY:  # numbers in one numpy read
             arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
             self.pos += arr.nbytes
@@ -89,7 +103,7 @@ class _Cursor:
                 raise struct.error("string array runs past the end of the file")
             self.pos = pos
             return out
-        return [self.value(etype) for _ in range(count)]  # nested arrays: rare, kept simple
+        return [self.value(etype, depth + 1) for _ in range(count)]  # nested arrays: rare, kept simple
 
 
 class _Unsupported(Exception):
@@ -97,17 +111,18 @@ class _Unsupported(Exception):
 
 
 class GGUFFile:
-    """Metadata (`fields`, decoded to Python values) and tensors of one GGUF file; data memory-mapped."""
+    """Metadata (`fields`, decoded to Python values; `field_types`, their GGUF types) and tensors of one
+    GGUF file; data memory-mapped."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
             size = self.path.stat().st_size
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-            self.fields, self.tensors = _parse(memoryview(self._data), size)
+            self.fields, self.field_types, self.tensors = _parse(memoryview(self._data), size)
         except _Unsupported as e:
             raise SpeculantError(f"cannot read GGUF file {self.path}: {e}") from None
-        except (OSError, ValueError, struct.error, KeyError) as e:
+        except (OSError, ValueError, struct.error, KeyError, OverflowError) as e:
             raise SpeculantError(f"cannot read GGUF file {self.path}: it is corrupt or truncated "
                                  f"({type(e).__name__}: {e}); delete it and pull or download it again") from None
 
@@ -115,9 +130,13 @@ class GGUFFile:
     def by_name(self) -> dict[str, GGUFTensor]:
         return {t.name: t for t in self.tensors}
 
+    def raw(self, t: GGUFTensor) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the memory map (no copy)."""
+        return self._data[t.data_offset : t.data_offset + t.n_bytes]
+
     def dequantize(self, t: GGUFTensor) -> np.ndarray:
         """Float32 array of tensor t in numpy order (outermost dimension first), writable."""
-        raw = self._data[t.data_offset : t.data_offset + t.n_bytes]
+        raw = self.raw(t)
         shape = tuple(reversed(t.shape))
         if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             block, type_size = GGML_QUANT_SIZES[t.tensor_type]
@@ -130,7 +149,10 @@ class GGUFFile:
         return np.require(arr.reshape(shape), dtype=np.float32, requirements=["C", "W"])  # copy off the map
 
 
-def _parse(buf: memoryview, size: int) -> tuple[dict[str, object], list[GGUFTensor]]:
+FieldType = tuple[GGUFValueType, GGUFValueType | None]  # value type, and the element type of an array
+
+
+def _parse(buf: memoryview, size: int) -> tuple[dict[str, object], dict[str, FieldType], list[GGUFTensor]]:
     if bytes(buf[:4]) != _MAGIC:
         raise ValueError(f"it starts with {bytes(buf[:4])!r}, not {_MAGIC!r}")
     c = _Cursor(buf)
@@ -139,27 +161,46 @@ def _parse(buf: memoryview, size: int) -> tuple[dict[str, object], list[GGUFTens
     if version not in (2, 3):
         hint = " (a big-endian file?)" if version > 0xFFFF else ""
         raise _Unsupported(f"GGUF version {version}{hint} is not supported; speculant reads versions 2 and 3")
-    n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
+    n_tensors = c.count("tensor", 8 + 4 + 8 + 4 + 8)  # name length, n_dims, one dim, type, offset
+    n_kv = c.count("metadata key", 8 + 4 + 1)  # key length, value type, the smallest value
     fields: dict[str, object] = {}
+    types: dict[str, FieldType] = {}
     for _ in range(n_kv):
         key = c.string()
-        fields[key] = c.value(c.unpack("<I"))
+        if key in fields:
+            raise ValueError(f"metadata key {key!r} appears twice")
+        vtype = GGUFValueType(c.unpack("<I"))
+        etype = GGUFValueType(struct.unpack_from("<I", buf, c.pos)[0]) if vtype == GGUFValueType.ARRAY else None
+        types[key] = (vtype, etype)
+        fields[key] = c.value(vtype)
     infos = []
     for _ in range(n_tensors):
         name = c.string()
-        dims = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
+        n_dims = c.unpack("<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+        dims = tuple(c.unpack("<Q") for _ in range(n_dims))
         infos.append((name, dims, GGMLQuantizationType(c.unpack("<I")), c.unpack("<Q")))
-    align = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+    align = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(align) is not int or align < 1 or align & (align - 1):
+        raise ValueError(f"general.alignment must be a power of two, got {align!r}")
     start = -(-c.pos // align) * align
     tensors, seen = [], set()
     for name, dims, ttype, offset in infos:
         if name in seen:
             raise ValueError(f"tensor {name} appears twice")
         seen.add(name)
+        if ttype not in GGML_QUANT_SIZES:
+            raise _Unsupported(f"tensor {name} has type {ttype.name}, which has no known block size")
         block, type_size = GGML_QUANT_SIZES[ttype]
-        n = int(np.prod(dims, dtype=np.int64))
+        n = 1
+        for d in dims:  # Python ints: a damaged dimension cannot wrap around
+            n *= d
+        if n == 0 or dims[0] % block or offset % align:
+            raise ValueError(f"tensor {name} has shape {dims}, type {ttype.name} and offset {offset}, which do not fit "
+                             f"(empty, rows not a whole number of {block}-element blocks, or offset not {align}-aligned)")
         t = GGUFTensor(name, dims, ttype, start + offset, n // block * type_size)
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"tensor {name} ends past the end of the file")
         tensors.append(t)
-    return fields, tensors
+    return fields, types, tensors

@@ -13,7 +13,7 @@ from tokenizers import models, pre_tokenizers
 
 from speculant.models import LoadedModel
 from speculant.models.config import ModelConfig
-from speculant.models.quant import make_linear
+from speculant.models.formats import make_linear
 from speculant.models.transformer import Block, Transformer
 from speculant.tokenizer import Tokenizer
 

@@ -31,7 +31,7 @@ def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_head
 
     if transformer.native_kernels() is None:
         pytest.skip("the native kernels cannot be built here: the torch path is the only one")
-    m = tiny_model(64, arch=arch, heads=heads, kv_heads=kv_heads, dim=dim, fmt="int4").model  # batch-invariant linears
+    m = tiny_model(64, arch=arch, heads=heads, kv_heads=kv_heads, dim=dim, fmt="q8_0").model  # batch-invariant linears
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))  # a batched prefill
     new = torch.tensor([3, 8, 11, 4, 60, 1, 2])
 
@@ -122,7 +122,7 @@ def test_taps_return_requested_layers_and_logit_rows():
     assert out.logits.shape == (1, 64)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int4"])
+@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
 def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkeypatch):
     from speculant.models import transformer
 
@@ -138,11 +138,11 @@ def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkey
     for rows in (slice(-1, None), slice(30, 50), torch.tensor([0, 39, 40, 99]), slice(0, 0)):
         c3 = m.new_cache(128)
         got = m(tokens, c3, logit_rows=rows).logits
-        # the output layer over fewer rows may round differently (float32 GEMMs; int4 takes the
-        # integer kernel below 33 rows), so: the same rows, to that precision
+        # the output layer over fewer rows may round differently (float32 GEMMs; GGML formats take
+        # the integer kernel below 33 rows), so: the same rows, to that precision
         assert got.shape == whole.logits[rows].shape
         ref = whole.logits[rows]
-        tol = 0.02 * float(whole.logits.abs().max()) if fmt == "int4" else 1e-4  # int4: 8-bit activations vs bf16
+        tol = 0.02 * float(whole.logits.abs().max()) if fmt == "q8_0" else 1e-4  # 8-bit activations vs bf16
         assert torch.allclose(got, ref, atol=tol)
     with pytest.raises(SpeculantError, match="context"):
         m(tokens, c1)  # 100 more do not fit: refused before any chunk runs

@@ -16,7 +16,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["int4", "int8"])
+@pytest.fixture(scope="module", params=["gguf", "int8"])
 def models(request, real_model_cache):
     # Exactness is relative to the target as it runs, in each fast weight format.
     return real_model_cache(TARGET, request.param), real_model_cache(DRAFT, request.param)

@@ -21,7 +21,7 @@ from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_metho
 from speculant.errors import SpeculantError
 from speculant.methods.base import MAX_DRAFT_TOKENS, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
-from speculant.models.int4 import int4_available
+from speculant.models import native
 from speculant.models.transformer import ROW_WISE_MAX
 from speculant.sampling import SamplingConfig
 
@@ -125,9 +125,7 @@ def test_kernels_and_torch_share_one_openmp_runtime():
     cores. The native kernels are built with -fopenmp after torch has loaded its libgomp, so the loader
     resolves theirs to the same library: /proc/self/maps lists exactly one OpenMP runtime file."""
     torch.ones(1 << 16).sum()  # torch's OpenMP pool is started
-    if int4_available():  # builds and loads the kernels (x86 with AVX2 and gcc)
-        from speculant.models import native
-
+    if native.available():  # builds and loads the kernels (x86 with AVX2 and gcc)
         lib_path = Path(native.library()._name)
         maps = Path("/proc/self/maps").read_text()
         assert str(lib_path) in maps
@@ -153,11 +151,9 @@ def test_cli_draft_length_over_cap_exits_with_message(flags, capsys):
     assert f"at most {MAX_DRAFT_TOKENS} draft tokens" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "q8_0"])
 def test_greedy_identical_to_ar_at_the_draft_length_cap(fmt):
     """k = 31 drafts per round: the target verifies 32-token passes, the longest still row-wise."""
-    if fmt == "int4" and not int4_available():
-        pytest.skip("int4 kernels need x86-64 with AVX2 and gcc")  # int4 is not offered on such machines
     target = tiny_model(32, seed=1, logit_scale=3.0, fmt=fmt)
     draft = tiny_model(32, seed=2, logit_scale=3.0, layers=1, fmt=fmt)
     cap = DraftLengthConfig(MAX_DRAFT_TOKENS, "fixed", MAX_DRAFT_TOKENS)

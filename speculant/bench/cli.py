@@ -14,7 +14,7 @@ from rich.console import Console
 
 from ..engine import METHODS
 from ..errors import SpeculantError
-from ..models.quant import WEIGHT_FORMATS
+from ..models.formats import WEIGHT_FORMATS
 from .prompts import DATASETS
 from .speed import DEFAULT_DTYPES, DEFAULT_MODELS, KS, PEERS
 
@@ -30,7 +30,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s = modes.add_parser("speed", help="prefill/decode tok/s, bandwidth use and verification cost per weight format")
     s.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help="presets, .gguf files or HF folders")
     s.add_argument("--dtypes", nargs="+", choices=WEIGHT_FORMATS, default=None,
-                   help=f"weight formats (default: {' '.join(DEFAULT_DTYPES)}, int4 where its kernel runs)")
+                   help=f"weight formats (default: {' '.join(DEFAULT_DTYPES)}, gguf where its kernels build)")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
     s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
@@ -94,9 +94,9 @@ def _speed(args: argparse.Namespace) -> int:
 
 
 def _default_dtypes() -> list[str]:
-    from ..models.int4 import int4_available
+    from ..models.formats import ggml_available
 
-    return [d for d in DEFAULT_DTYPES if d != "int4" or int4_available()]
+    return [d for d in DEFAULT_DTYPES if d != "gguf" or ggml_available()]
 
 
 def _methods(args: argparse.Namespace) -> int:

@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
-from ..models.quant import WEIGHT_FORMATS
+from ..models.formats import WEIGHT_FORMATS
 from ..models.transformer import Transformer
 from ..sampling import top_token
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
-DEFAULT_DTYPES = ("int4", "int8", "float32")  # int4 only where its kernel builds (see default_dtypes)
+DEFAULT_DTYPES = ("gguf", "int8", "float32")  # gguf only where its kernels build (see default_dtypes)
 KS = (1, 2, 4, 8, 16)
 PEERS = ("llama-cpp",)
 WARMUP_STEPS = 4

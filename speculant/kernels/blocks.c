@@ -3,38 +3,43 @@
  * Python's per-op overhead (module calls, tensor allocation, ctypes argument conversion) came to
  * ~3.8 ms of a 47 ms decode step of the 1.5B int4 model and ~1.9 ms of the 0.5B draft's 16 ms
  * (12%; measured by timing every kernel call inside forwards of 1 token on a 256-token cache).
- * This file runs the same kernels in the same order as Transformer.forward's Python path:
+ * This file runs the same kernels (gq.c's matmul, attention.c, rows.c) in the same order as
+ * Transformer.forward's Python path:
  *
  *   h = rms_norm(x); qkv = h Wqkv (+b); attention (rope, cache write); x += att Wo;
  *   h = rms_norm(x); gu = h Wgate_up; x += silu(gate) * up Wdown
  *
- * so its output is bit-identical to that path (tests/test_int4.py checks it); it only removes the
+ * so its output is bit-identical to that path (tests/test_gguf_kernels.py checks it); it only removes the
  * Python between the kernels. The residual adds are plain float adds, as torch's.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
-/* the kernels of q4.c, attention.c and rows.c (one shared library) */
-int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *sc, int64_t N,
-              const float *bias, float gscale, float *y, int nthreads);
+/* the kernels of gq.c, attention.c and rows.c (one shared library) */
+typedef struct gq_part gq_part;
+int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
+              int64_t N, int nthreads);
 int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
               float *kc, float *vc, int64_t max_len, int64_t start, float *out, int nthreads);
 void rms_norm_rows(const float *x, const float *w, int64_t S, int64_t D, float eps, float *out);
 void silu_mul_rows(const float *h, int64_t S, int64_t F, float *act);
 
-/* One int4 linear layer, as Int4Linear holds it (see q4.c for the layout). */
+/* One linear layer, as GGMLLinear holds it: its parts (gq.c's gq_part array), bias, output features. */
 typedef struct {
-    const uint8_t *qw;
-    const uint16_t *sc;
+    const gq_part *parts;
+    int64_t nparts;
     const float *bias; /* or NULL */
-    int64_t n;         /* output features */
-    float gscale;
-} q4_linear;
+    int64_t n;
+} gq_linear;
 
 typedef struct {
     const float *attn_norm, *ffn_norm; /* [D] */
-    q4_linear qkv, o, gate_up, down;
-} q4_block;
+    gq_linear qkv, o, gate_up, down;
+} gq_block;
+
+static int mm(const gq_linear *l, const float *x, int64_t S, int64_t K, float *y, int nthreads) {
+    return gq_matmul(l->parts, (int)l->nparts, x, S, K, l->bias, y, l->n, nthreads);
+}
 
 static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] + y[i];
@@ -43,7 +48,7 @@ static void add_rows(float *x, const float *y, int64_t n) {
 /* x[S, D] (in/out): the residual stream before the first block, after the last. The KV caches kc,
  * vc are [n_blocks][Hkv][max_len][hd]; the S new rows are written at slots start..start+S-1.
  * cos, sin [S][hd/2] are the rows' rotary tables. Returns 0, or the first kernel's error code. */
-int q4_blocks(const q4_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
+int gq_blocks(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
               int64_t hd, int64_t F, float eps, const float *cos, const float *sin, float *kc, float *vc,
               int64_t max_len, int64_t start, int nthreads) {
     const int64_t W = (H + 2 * Hkv) * hd, A = H * hd;
@@ -55,23 +60,21 @@ int q4_blocks(const q4_block *blocks, int64_t n_blocks, float *x, int64_t S, int
     const int64_t layer_cache = Hkv * max_len * hd;
     int rc = 0;
     for (int64_t l = 0; l < n_blocks && !rc; l++) {
-        const q4_block *b = blocks + l;
+        const gq_block *b = blocks + l;
         rms_norm_rows(x, b->attn_norm, S, D, eps, h);
-        if ((rc = q4_matmul(h, S, D, b->qkv.qw, b->qkv.sc, b->qkv.n, b->qkv.bias, b->qkv.gscale, qkv, nthreads)))
+        if ((rc = mm(&b->qkv, h, S, D, qkv, nthreads)))
             break;
         if ((rc = attn_rows(qkv, S, H, Hkv, hd, cos, sin, kc + l * layer_cache, vc + l * layer_cache, max_len,
                             start, att, nthreads)))
             break;
-        if ((rc = q4_matmul(att, S, A, b->o.qw, b->o.sc, b->o.n, b->o.bias, b->o.gscale, delta, nthreads)))
+        if ((rc = mm(&b->o, att, S, A, delta, nthreads)))
             break;
         add_rows(x, delta, S * D);
         rms_norm_rows(x, b->ffn_norm, S, D, eps, h);
-        if ((rc = q4_matmul(h, S, D, b->gate_up.qw, b->gate_up.sc, b->gate_up.n, b->gate_up.bias,
-                            b->gate_up.gscale, gu, nthreads)))
+        if ((rc = mm(&b->gate_up, h, S, D, gu, nthreads)))
             break;
         silu_mul_rows(gu, S, F, h);
-        if ((rc = q4_matmul(h, S, F, b->down.qw, b->down.sc, b->down.n, b->down.bias, b->down.gscale, delta,
-                            nthreads)))
+        if ((rc = mm(&b->down, h, S, F, delta, nthreads)))
             break;
         add_rows(x, delta, S * D);
     }

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..models.transformer import ROW_WISE_MAX
 
 # The target scores [pending, *drafts] in one pass. Passes of at most ROW_WISE_MAX tokens compute
-# every row as a pass of one token would (row-wise attention, the integer int4 kernel), so greedy
+# every row as a pass of one token would (row-wise attention, the integer block-format kernel), so greedy
 # speculative output stays identical to `ar`; longer passes take the prefill path (batched attention,
 # bf16 GEMMs), whose rounding differs. Hence at most ROW_WISE_MAX - 1 drafts per round.
 MAX_DRAFT_TOKENS = ROW_WISE_MAX - 1
@@ -50,7 +50,7 @@ class DraftLengthConfig:
     - heuristic: HF's schedule; start at `k`, +2 after a fully accepted round, -1 otherwise,
       within [1, max_k].
 
-    max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with int4 weights
+    max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with 4-bit weights
     (k=8 costs 1.8x k=1 on the 1.5B target): on HumanEval max_k=6 beat 16 for draft (1.28x vs
     1.20x) and hybrid (1.37x vs 1.33x) in one `speculant bench methods` run.
     """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from ..models.quant import QLinear
+from ..models.formats import QLinear
 from ..models.transformer import Transformer
 from ..sampling import SamplingConfig, probs, sample, top_token
 from .base import Draft

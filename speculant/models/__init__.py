@@ -17,7 +17,7 @@ from .build import build_transformer
 from .calibration import CALIBRATION_TEXT
 from .cache import KVCache
 from .config import ModelConfig
-from .quant import WEIGHT_FORMATS
+from .formats import WEIGHT_FORMATS
 from .transformer import Output, Transformer
 
 __all__ = ["KVCache", "LoadedModel", "ModelConfig", "Output", "Transformer", "default_dtype", "load_model"]
@@ -36,16 +36,30 @@ class LoadedModel:
         return self.model.cfg
 
 
-def default_dtype(device: str = "cpu") -> str:
-    """The fastest format that tracks float32 closely (measurements in the README): int4 where its AVX2
-    kernel can be built, else int8 on x86 (FBGEMM), else float32."""
-    if device != "cpu":
-        return "float32"
-    from .int4 import int4_available
+def default_dtype(path: Path | None = None, device: str = "cpu") -> str:
+    """The format the model file stores: `gguf` (its own block types) for a .gguf file, the stored float
+    type (bf16, f16) for a Hugging Face folder where the block-format kernels run; float32 otherwise."""
+    from .formats import ggml_available
 
-    if int4_available():
-        return "int4"
-    return "int8" if "fbgemm" in torch.backends.quantized.supported_engines else "float32"
+    if device != "cpu" or not ggml_available():
+        return "float32"
+    if path is None or not path.is_dir():
+        return "gguf"
+    return {"BF16": "bf16", "F16": "f16"}.get(_stored_dtype(path), "float32")
+
+
+def _stored_dtype(folder: Path) -> str | None:
+    """The safetensors dtype ("BF16", "F16", "F32", ...) of a model folder's first weight, if readable."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    return h.get_slice(k).get_dtype()
+        except Exception:  # an unreadable file is reported by the loader with its own message
+            return None
+    return None
 
 
 def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", progress: bool = True,
@@ -54,12 +68,12 @@ def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", prog
     from .load_gguf import GGUFSource
     from .load_hf import HFSource
 
-    dtype = dtype or default_dtype(device)
-    if dtype not in WEIGHT_FORMATS:
+    if dtype is not None and dtype not in WEIGHT_FORMATS:
         raise SpeculantError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if device != "cpu" and dtype != "float32":
+    if device != "cpu" and dtype not in (None, "float32"):
         raise SpeculantError(f"--dtype {dtype} runs on the CPU only; use --dtype float32 on {device}")
     path = resolve_model(spec)
+    dtype = dtype or default_dtype(path, device)
     if path.is_dir():
         src = HFSource(path)
         tokenizer = Tokenizer.from_hf_dir(path)

@@ -1,8 +1,10 @@
 """Assemble a Transformer in a chosen weight format from a weight source (GGUF or HF folder).
 
-Assembly goes one layer at a time (dequantise, fuse q/k/v and gate/up, convert), with a progress
-bar. The converted tensors are saved as safetensors in a conversion cache keyed by the source's
-fingerprint and the format, so the second load of a model skips the slow GGUF dequantisation.
+`--dtype gguf` (the default for .gguf files) takes every tensor in the block type the file stores,
+memory-mapped: nothing is converted or cached, and the model in memory is the model in the file.
+Every other format is assembled one layer at a time from float32 tensors (dequantise, fuse q/k/v and
+gate/up, convert), with a progress bar; the converted tensors are saved as safetensors in a
+conversion cache keyed by the source's fingerprint and the format, so a second load skips the work.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from torch import Tensor
 
 from ..errors import SpeculantError
 from .config import ModelConfig
-from .quant import QLinear, linear_from_state, make_linear
+from .formats import CALIBRATED, GGMLEmbedding, GGMLLinear, QLinear, linear_from_state, make_linear
 from .calibration import calibrate_layer
 from .transformer import Block, Transformer, rope_tables
 
-_CACHE_VERSION = "2"
+_CACHE_VERSION = "3"
 _LINEARS = ("qkv", "o", "gate_up", "down")
 
 
@@ -64,10 +66,40 @@ def _float_layer(src: WeightSource, i: int) -> dict[str, Tensor]:
     }
 
 
+def build_native(src, label: str = "model") -> Transformer:
+    """The model as the GGUF file stores it: block-format linears over the memory-mapped tensors.
+
+    `src` is a GGUFSource (its `part(name)` gives a tensor's raw blocks; `get(name)` float32 tensors
+    for the small ones: norms and biases)."""
+    cfg = src.config
+    blocks: list[Block] = []
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        qkv_b = None
+        if cfg.qkv_bias:
+            qkv_b = torch.cat([src.get(p + "q_bias"), src.get(p + "k_bias"), src.get(p + "v_bias")])
+        qkv = GGMLLinear([src.part(p + "q"), src.part(p + "k"), src.part(p + "v")], cfg.dim, qkv_b)
+        o = GGMLLinear([src.part(p + "o")], cfg.n_heads * cfg.head_dim)
+        gate_up = GGMLLinear([src.part(p + "gate"), src.part(p + "up")], cfg.dim)
+        down = GGMLLinear([src.part(p + "down")], cfg.hidden_dim)
+        blocks.append(Block(cfg, src.get(p + "attn_norm"), qkv, o, src.get(p + "ffn_norm"), gate_up, down))
+    embed = GGMLEmbedding(src.part("embed"), cfg.dim)
+    if embed.num_embeddings != cfg.vocab_size:
+        raise SpeculantError(f"{label}: the embedding table has {embed.num_embeddings} rows, the config says "
+                             f"vocab_size {cfg.vocab_size}")
+    lm_head = embed.as_linear() if cfg.tie_embeddings else GGMLLinear([src.part("lm_head")], cfg.dim)
+    return Transformer(cfg, embed, blocks, src.get("norm"), lm_head)
+
+
 def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, progress: bool = True,
                       label: str = "model", calibration_ids: list[int] | None = None) -> Transformer:
-    """Assemble layer by layer. Quantised formats use `calibration_ids` (tokens of a fixed text) to
-    smooth activation outliers; they flow through the float32 layers as the model is built."""
+    """Assemble layer by layer. int8 uses `calibration_ids` (tokens of a fixed text) to smooth
+    activation outliers; they flow through the float32 layers as the model is built."""
+    if fmt == "gguf":
+        if not hasattr(src, "part"):
+            raise SpeculantError("--dtype gguf takes a .gguf file's own block types; for a Hugging Face folder "
+                                 "choose bf16, f16, q8_0, q5_1, q5_0, q4_1, q4_0, int8 or float32")
+        return build_native(src, label)
     cfg = src.config
     cached = None
     if cache_dir is not None:
@@ -83,7 +115,7 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     blocks: list[Block] = []
     with _progress(f"assembling {label} ({fmt})", cfg.n_layers + 1, progress) as advance:
         embed = src.get("embed")
-        calib = fmt != "float32" and bool(calibration_ids)
+        calib = fmt in CALIBRATED and bool(calibration_ids)
         if calib:
             x = embed[torch.tensor(calibration_ids)]  # [T, D] calibration states, carried layer to layer
             cos, sin = rope_tables(cfg, x.shape[0])

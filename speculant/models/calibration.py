@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .cache import KVCache
 from .config import ModelConfig
-from .quant import FloatLinear
+from .formats.base import FloatLinear
 from .transformer import Block
 
 CALIBRATION_TEXT = """<|im_start|>system

@@ -1,9 +1,10 @@
-"""Short passes of an int4 model through all its blocks in one C call (speculant/kernels/blocks.c).
+"""Short passes through all the blocks in one C call (speculant/kernels/blocks.c).
 
 The C loop runs the kernels Transformer.forward's Python path calls, in the same order, so the
 result is bit-identical; it saves the ~0.1 ms of Python per layer that a decode step otherwise
 spends between kernels (8% of the 1.5B target's step, 12% of the 0.5B draft's). It applies where
-every block's linears are `Int4Linear`s on the CPU; anything else keeps the Python path.
+every block's linears are `GGMLLinear`s on the CPU and the x86 kernels are built; anything else
+keeps the Python path.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import ctypes
 import torch
 from torch import Tensor
 
+from . import native
 from .cache import KVCache
-from .int4 import Int4Linear, _library
+from .formats import GGMLLinear
 
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("qw", _p), ("sc", _p), ("bias", _p), ("n", _i64), ("gscale", _f32)]
+    _fields_ = [("parts", _p), ("nparts", _i64), ("bias", _p), ("n", _i64)]
 
 
 class _Block(ctypes.Structure):
@@ -37,10 +39,11 @@ class FusedBlocks:
         for row, b in zip(table, blocks):
             row.attn_norm, row.ffn_norm = b.attn_norm.data_ptr(), b.ffn_norm.data_ptr()
             for name in ("qkv", "o", "gate_up", "down"):
-                lin: Int4Linear = getattr(b, name)
-                q, s, n, bias, gscale = lin._args
-                setattr(row, name, _Linear(q, s, bias, n, gscale))
+                lin: GGMLLinear = getattr(b, name)
+                bias = None if lin.bias is None else lin.bias.data_ptr()
+                setattr(row, name, _Linear(ctypes.cast(lin.table, _p), len(lin.parts), bias, lin.out_features))
         self.table, self.n = table, len(blocks)
+        self._keep = [getattr(b, n) for b in blocks for n in ("qkv", "o", "gate_up", "down")]
         b0 = blocks[0]
         self.dims = (b0.n_heads, b0.n_kv, b0.hd, b0.hidden_dim)
         self.eps = b0.eps
@@ -49,16 +52,16 @@ class FusedBlocks:
     @classmethod
     def build(cls, blocks) -> "FusedBlocks | None":
         """The fused loop for these blocks, or None where it does not apply."""
-        if not blocks:
+        if not blocks or not native.available():
             return None
         for b in blocks:
             lins = (b.qkv, b.o, b.gate_up, b.down)
-            if not all(type(m) is Int4Linear for m in lins) or b.attn_norm.device.type != "cpu":
+            if not all(type(m) is GGMLLinear for m in lins) or b.attn_norm.device.type != "cpu":
                 return None
         H, Hkv, hd, F = blocks[0].n_heads, blocks[0].n_kv, blocks[0].hd, blocks[0].hidden_dim
         if hd % 8 or F % 8 or blocks[0].attn_norm.shape[0] % 8:
             return None
-        return cls(blocks, _library().q4_blocks)
+        return cls(blocks, native.library().gq_blocks)
 
     def __call__(self, x: Tensor, cache: KVCache, start: int, cos: Tensor, sin: Tensor) -> Tensor:
         """x [S, D] float32 residual stream -> after the last block (in place); writes the cache."""
@@ -69,5 +72,5 @@ class FusedBlocks:
                       sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.max_len, start,
                       torch.get_num_threads())
         if rc:
-            raise MemoryError(f"fused int4 blocks failed ({rc}): out of memory for scratch")
+            raise MemoryError(f"fused blocks failed ({rc}): out of memory for scratch")
         return x

@@ -90,6 +90,34 @@ class GGUFSource:
             w = _unpermute(w, heads)
         return w
 
+    def part(self, name: str):
+        """The raw blocks of a 2-D tensor by canonical name, memory-mapped: a formats.ggml.Part whose rows
+        are the output features (llama q/k rows carry the permutation that `get` applies)."""
+        from .formats.ggml import Part, check_type, row_bytes
+
+        gname = self._gguf_name(name)
+        t = self.tensors.get(gname)
+        if t is None:
+            raise SpeculantError(f"GGUF file {self.path} has no tensor {gname}; the file is incomplete")
+        if len(t.shape) != 2:
+            raise SpeculantError(f"tensor {gname} in {self.path} has shape {t.shape}; a 2-D matrix was expected")
+        qtype = check_type(int(t.tensor_type), gname)
+        k, rows = t.shape
+        rb = row_bytes(qtype, k)
+        if rb * rows != t.n_bytes:
+            raise SpeculantError(f"tensor {gname} in {self.path}: {t.n_bytes} bytes do not hold {rows} rows of "
+                                 f"{k} {qtype.name} values; the file is corrupt")
+        data = self.file.raw(t).reshape(rows, rb)
+        perm = None
+        c = self.config if hasattr(self, "config") else None
+        if c is not None and c.arch == "llama" and name.rsplit(".", 1)[-1] in ("q", "k"):
+            heads = c.n_heads if name.endswith(".q") else c.n_kv_heads
+            order = _unpermute(torch.arange(rows), heads)  # new row i <- file row order[i]
+            perm = torch.empty(rows, dtype=torch.int32)
+            perm[order] = torch.arange(rows, dtype=torch.int32)
+            perm = perm.numpy()
+        return Part(int(qtype), data, perm)
+
     def _gguf_name(self, name: str) -> str:
         if name == "embed":
             return "token_embd.weight"

@@ -1,11 +1,13 @@
 """The compiled C kernels (speculant/kernels/*.c): built with gcc on first use, loaded with ctypes.
 
-One shared library holds the int4 matmul (q4.c), the short-pass attention (attention.c), the
-per-row element-wise ops (rows.c) and the loop over an int4 model's blocks (blocks.c). It is
-compiled into `$SPECULANT_HOME/kernels/` (default `~/.cache/speculant/kernels/`) under a name that
-includes a hash of the sources and flags, so an edited source is rebuilt and a damaged file is
-never trusted. Where it cannot be built (no x86-64 AVX2/FMA/F16C, no gcc) `library()` raises
-SpeculantError and callers fall back to torch (attention) or say which --dtype to use (int4).
+On x86-64 CPUs with AVX2, one shared library holds the GGML block-format matmul (gq.c), the
+short-pass attention (attention.c), the per-row element-wise ops (rows.c) and the loop over a
+model's blocks (blocks.c), built for the widest instruction set the CPU has (ISAS). Elsewhere (ARM,
+older x86) `gq_library()` builds gq.c alone in portable C: the same results bit for bit, slower, and
+the rest falls back to torch. Libraries are compiled into `$SPECULANT_HOME/kernels/` (default
+`~/.cache/speculant/kernels/`; a temporary folder where that is not writable) under a name that
+includes a hash of the sources and flags, so an edited source is rebuilt and a damaged file is never
+trusted. A failed build is remembered for the process, not retried on every load.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import torch
 from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = (_KERNELS / "q4.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c",
-           _KERNELS / "q4_amx.c")
+SOURCES = (_KERNELS / "gq.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
+PORTABLE_SOURCES = (_KERNELS / "gq.c",)
 HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+_BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+_FLAGS = _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
 
 
@@ -55,39 +58,64 @@ def kernel_dir() -> Path:
     return home / "kernels"
 
 
-def _build(gcc: str, flags: tuple[str, ...], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
+@functools.cache
+def _writable_kernel_dir() -> Path:
+    """kernel_dir(), or a private temporary folder where that cannot be written (read-only homes)."""
+    d = kernel_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d)
+        os.close(fd)
+        os.unlink(probe)
+        return d
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="speculant-kernels-"))
+
+
+def _build(gcc: str, flags: tuple[str, ...], sources: tuple[Path, ...], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([gcc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([gcc, *flags, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             msg = (r.stderr or r.stdout).strip().splitlines()[-5:]
-            raise SpeculantError(f"{NEEDS}; compiling them failed: {' | '.join(msg)}; use --dtype int8")
+            raise SpeculantError(f"compiling the native kernels with {gcc} failed: {' | '.join(msg)}")
         os.replace(tmp, out)  # atomic: a concurrent build or load sees the old file or the whole new one
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _load(gcc: str, code: bytes, flags: tuple[str, ...]) -> ctypes.CDLL:
+def _load(gcc: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+    try:
+        code = b"".join(src.read_bytes() for src in sources + HEADERS)
+    except OSError as e:
+        raise SpeculantError(f"a kernel source is missing ({e}); reinstall speculant") from None
     digest = hashlib.sha256(code + "\0".join(flags).encode()).hexdigest()[:16]
-    out = kernel_dir() / f"speculant-{digest}.so"
+    out = _writable_kernel_dir() / f"speculant-{digest}.so"
     for attempt in range(2):
         if not out.exists():
-            _build(gcc, flags, out)
+            _build(gcc, flags, sources, out)
         try:
             return ctypes.CDLL(str(out))
         except OSError as e:
             if attempt:
-                raise SpeculantError(f"{NEEDS}; loading {out} failed ({e}); use --dtype int8") from None
+                raise SpeculantError(f"loading the native kernels {out} failed ({e})") from None
             out.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, never trusted
     raise AssertionError("unreachable")
 
 
-# Instruction sets the int4 kernel can be built for, fastest first: (name, cpuinfo flags, gcc flags).
+def _compiler() -> str:
+    gcc = shutil.which(os.environ.get("SPECULANT_CC", "gcc"))
+    if gcc is None:
+        raise SpeculantError("no C compiler: gcc was not found on PATH (or $SPECULANT_CC); install gcc "
+                             "(e.g. apt-get install gcc) or use --dtype float32")
+    return gcc
+
+
+# Instruction sets the x86 kernels can be built for, fastest first: (name, cpuinfo flags, gcc flags).
 # All of them compute the same exact integer sums and the same float operations per output row,
-# so every build gives bit-identical results (tests/test_int4.py checks the ones this CPU runs).
+# so every build gives bit-identical results (tests/test_gguf_kernels.py checks the ones this CPU runs).
 ISAS = (
     ("avx512vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
      ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
@@ -97,61 +125,101 @@ ISAS = (
 
 
 def supported_isas() -> list[str]:
-    """The ISAS this CPU runs, fastest first ("avx2" always last)."""
+    """The ISAS this CPU runs, fastest first ("avx2" always last); empty where AVX2 is missing."""
+    if not cpu_ok():
+        return []
     flags = cpu_flags()
     return [name for name, need, _ in ISAS if need <= flags]
 
 
+def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.gq_matmul.argtypes = [p, i32, p, i64, i64, p, p, i64, i32]
+    lib.gq_matmul.restype = i32
+    lib.gq_dequant_rows.argtypes = [i32, p, i64, i64, p, i64, p]
+    lib.gq_dequant_rows.restype = i32
+    lib.gq_dequant_range.argtypes = [i32, p, i64, i64, i64, i64, p, i32]
+    lib.gq_dequant_range.restype = i32
+    for name in ("gq_supported", "gq_block_bytes", "gq_block_values"):
+        getattr(lib, name).argtypes = [i32]
+        getattr(lib, name).restype = i32
+    lib.gq_isa.argtypes = []
+    lib.gq_isa.restype = i32
+    if full:
+        lib.attn_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i32]
+        lib.attn_rows.restype = i32
+        lib.rms_norm_rows.argtypes = [p, p, i64, i64, f32, p]
+        lib.rms_norm_rows.restype = None
+        lib.silu_mul_rows.argtypes = [p, i64, i64, p]
+        lib.silu_mul_rows.restype = None
+        lib.gq_blocks.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, i64, i32]
+        lib.gq_blocks.restype = i32
+    return lib
+
+
+_FAILED: dict[str, SpeculantError] = {}  # builds that failed in this process: not retried on every load
+
+
+def _remembered(key: str, make):
+    if key in _FAILED:
+        raise _FAILED[key]
+    try:
+        return make()
+    except SpeculantError as e:
+        _FAILED[key] = e
+        raise
+
+
 @functools.cache
 def library(isa: str | None = None) -> ctypes.CDLL:
-    """The compiled kernels (built on first use; SpeculantError where they cannot run here).
+    """The x86 kernels (built on first use; SpeculantError where they cannot run here).
 
     `isa` picks a build from ISAS (default: the fastest this CPU runs whose build succeeds; an older
     gcc without the flag falls back to the next). The results do not depend on the choice.
     """
-    if not cpu_ok():
-        raise SpeculantError(f"{NEEDS}; this CPU lacks AVX2/FMA/F16C; use --dtype int8")
-    gcc = shutil.which(os.environ.get("SPECULANT_CC", "gcc"))
-    if gcc is None:
-        raise SpeculantError(f"{NEEDS}; gcc was not found on PATH; install gcc or use --dtype int8")
-    try:
-        code = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-    except OSError as e:
-        raise SpeculantError(f"{NEEDS}; a source is missing ({e}); use --dtype int8") from None
-    torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its libgomp
-    names = supported_isas() if isa is None else [isa]
-    lib = None
-    for name in names:
-        extra = next(flags for n, _, flags in ISAS if n == name)
+    def make() -> ctypes.CDLL:
+        if not cpu_ok():
+            raise SpeculantError(f"{NEEDS}; this CPU ({platform.machine()}) lacks them: the portable kernels "
+                                 "and torch serve instead")
+        gcc = _compiler()
+        torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its libgomp
+        names = supported_isas() if isa is None else [isa]
+        for name in names:
+            extra = next(flags for n, _, flags in ISAS if n == name)
+            try:
+                return _bind(_load(gcc, SOURCES, _FLAGS + extra), True)
+            except SpeculantError:
+                if name == names[-1]:
+                    raise
+        raise AssertionError("unreachable")
+
+    return _remembered(f"x86:{isa}", make)
+
+
+@functools.cache
+def portable_library() -> ctypes.CDLL:
+    """gq.c alone in portable C (any CPU gcc targets): the block-format kernels, bit-identical, slower."""
+    def make() -> ctypes.CDLL:
+        gcc = _compiler()
+        torch.get_num_threads()
+        return _bind(_load(gcc, PORTABLE_SOURCES, _BASE_FLAGS), False)
+
+    return _remembered("portable", make)
+
+
+def gq_library() -> ctypes.CDLL:
+    """The block-format kernels: the x86 build where it runs, else the portable one
+    ($SPECULANT_PORTABLE=1 forces the portable one, for tests and comparisons)."""
+    if os.environ.get("SPECULANT_PORTABLE") != "1":
         try:
-            lib = _load(gcc, code, _FLAGS + extra)
-            break
+            return library()
         except SpeculantError:
-            if name == names[-1]:
-                raise
-    assert lib is not None
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.q4_matmul.argtypes = [p, i64, i64, p, p, i64, p, f32, p, i32]
-    lib.q4_matmul.restype = i32
-    lib.q4_dequant_bf16.argtypes = [p, p, i64, i64, i64, f32, p, i32]
-    lib.q4_dequant_bf16.restype = None
-    lib.attn_rows.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i32]
-    lib.attn_rows.restype = i32
-    lib.rms_norm_rows.argtypes = [p, p, i64, i64, f32, p]
-    lib.rms_norm_rows.restype = None
-    lib.silu_mul_rows.argtypes = [p, i64, i64, p]
-    lib.silu_mul_rows.restype = None
-    lib.q4_blocks.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, i64, i32]
-    lib.q4_blocks.restype = i32
-    lib.q4_amx_init.argtypes = []
-    lib.q4_amx_init.restype = i32
-    lib.q4_matmul_amx.argtypes = [p, i64, i64, p, p, i64, p, f32, p, i32]
-    lib.q4_matmul_amx.restype = i32
-    return lib
+            pass
+    return portable_library()
 
 
 def available() -> bool:
-    """Whether the kernels run here (CPU features and a compiler; builds them on first call)."""
+    """Whether the x86 kernels run here (CPU features and a compiler; builds them on first call)."""
     try:
         library()
     except SpeculantError:

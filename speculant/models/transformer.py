@@ -11,8 +11,21 @@ The forward pass is the contract every decoding method builds on:
 - `logits` can be limited to some rows (`logit_rows`), e.g. only the last one after a prefill.
 
 The cache is an argument, not model state, so one set of weights can serve several caches (a model
-drafting for itself, a server with several sessions). Linear layers are `QLinear`s: the float32
-reference or a quantised format, swapped without touching this file.
+drafting for itself, a server with several sessions). Linear layers are `QLinear`s (models/formats/):
+the float32 reference or a block format, swapped without touching this file; the embedding table is
+a float tensor or a module that dequantizes rows on lookup (GGML formats).
+
+Which route a forward takes (S = tokens in the pass):
+
+| pass | when | attention | linear layers |
+|---|---|---|---|
+| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask/taps, all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
+| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8, taps) | row-wise: `attn_rows` in C where built, else torch per row | the format's kernel |
+| SDPA | S > ROW_WISE_MAX, or an explicit mask (trees) | `F.scaled_dot_product_attention` | the format's kernel; GGML in bf16 where the CPU has AVX512-BF16 |
+| chunked prefill | causal S > PREFILL_CHUNK on the CPU | as SDPA, PREFILL_CHUNK tokens at a time | as SDPA |
+
+Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it
+is scored alone or with drafted tokens, which keeps speculative greedy output identical to `ar`.
 """
 
 from __future__ import annotations
@@ -27,18 +40,18 @@ from torch import Tensor, nn
 from ..errors import SpeculantError
 from .cache import KVCache
 from .config import ModelConfig
-from .quant import QLinear
+from .formats.base import SHORT_PASS_MAX, QLinear
 
 
 # Causal passes of up to this many tokens (decoding, speculative verification) attend row by row,
 # which makes their logits independent of how many tokens share the pass; longer ones (prefill)
 # use one batched attention call.
-ROW_WISE_MAX = 32
+ROW_WISE_MAX = SHORT_PASS_MAX
 
-# Longer causal passes (prompts) on the CPU go through in chunks of this many tokens: the int4 AMX
-# kernel keeps a chunk's activations in L2 (1.5B, 1024-token prompt: 3.2 s in chunks of 384 vs
-# 4.4 s whole, and 4.1 s through oneDNN; chunks of 256: 3.3 s, 512: 3.9 s), and the activations of
-# a long prompt never need more memory than a chunk's.
+# Longer causal passes (prompts) on the CPU go through in chunks of this many tokens: a chunk's
+# activations stay in L2 (measured with the earlier int4 AMX kernel, 1.5B, 1024-token prompt: 3.2 s in
+# chunks of 384 vs 4.4 s whole; chunks of 256: 3.3 s, 512: 3.9 s), and the activations of a long prompt
+# never need more memory than a chunk's.
 PREFILL_CHUNK = 384
 
 
@@ -103,11 +116,30 @@ class Block(nn.Module):
         return self.o(out)
 
 
+class FloatEmbedding(nn.Module):
+    """A float32 embedding table [V, D]."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0]
+
+    def row_bytes(self) -> int:
+        return self.weight.shape[1] * 4
+
+    def forward(self, tokens: Tensor) -> Tensor:  # [S] -> [S, D]
+        return F.embedding(tokens, self.weight)
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: Tensor, blocks: list[Block], norm: Tensor, lm_head: QLinear) -> None:
+    def __init__(self, cfg: ModelConfig, embed: Tensor | nn.Module, blocks: list[Block], norm: Tensor,
+                 lm_head: QLinear) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(embed.float().contiguous(), requires_grad=False)  # [V, D]
+        self.embed = embed if isinstance(embed, nn.Module) else FloatEmbedding(embed)  # tokens [S] -> [S, D]
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.Parameter(norm.float(), requires_grad=False)
         self.lm_head = lm_head
@@ -138,7 +170,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.cfg
@@ -147,7 +179,7 @@ class Transformer(nn.Module):
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (one embedding row, all projections, norms)."""
-        n = self.lm_head.weight_bytes() + self.embed.shape[1] * 4
+        n = self.lm_head.weight_bytes() + self.embed.row_bytes()
         for b in self.blocks:
             n += sum(m.weight_bytes() for m in (b.qkv, b.o, b.gate_up, b.down)) + 8 * self.cfg.dim
         return n
@@ -176,7 +208,7 @@ class Transformer(nn.Module):
         if mask is not None:
             mask = mask[None, None]  # [1, 1, S, L+S]
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
-        x = F.embedding(tokens, self.embed)  # [S, D]
+        x = self.embed(tokens)  # [S, D]
         tapped: dict[int, Tensor] = {}
         fused = self.fused_blocks() if row_wise and not taps else None
         if fused is not None:

@@ -1,0 +1,770 @@
+/* GGUF block formats multiplied as the file stores them (no requantisation), for 1..32 activation rows.
+ *
+ * Weights are the GGUF tensor's bytes, memory-mapped: row n of W[N, K] is `row_bytes` bytes of blocks.
+ * Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+ *
+ * Activations are quantised per row to int8 as llama.cpp does: per 32 values for the 32-blocks
+ * (Q8_0-like) and per 256 for the K-quants (Q8_K-like, with the sums of each 16), with a float32 scale
+ * (absmax / 127) where llama.cpp rounds Q8_0's to fp16. The dot products then run in integers, with the
+ * K-quants' integer sub-block scales folded into exact int32 sums; float arithmetic happens once per
+ * block (32-blocks) or per superblock (K-quants).
+ *
+ * Exactness contract (tests/test_gguf_kernels.py):
+ *  - every weight row is first decoded into a canonical form (unsigned integers u, integer scales and
+ *    mins, float block scales); the integer sums are exact, so their order does not matter;
+ *  - the float work of an output (row n, activation row m) follows one fixed lane structure, the
+ *    "canonical 16 lanes" below, in every build (AVX512-VNNI, AVX-VNNI, AVX2, portable C) and whatever
+ *    M or the thread count: a row's output is bit-identical whether it is computed alone or with
+ *    drafted rows, on every build. Built with -ffp-contract=off; fused multiply-adds are explicit.
+ *
+ * Canonical form and lanes, per output (n, m):
+ *  K-quants (superblocks of 256): u[256] < 64, sc[16] and mn[16] int16 per 16 values, d and dmin:
+ *      W = d * sc * u - dmin * mn  (Q6_K: u = q + 32, mn = 32 sc, dmin = d; Q3_K: u = q + 4, mn = 4 sc)
+ *    lane l (0..15) of I = sum over the 4 chunks c of 64 values of sc[4c + l/4] * (sum of u*x over values
+ *    64c + 4l .. 64c + 4l + 3); lane j (0..7) of S = mn[2j] B[2j] + mn[2j+1] B[2j+1], B = sums of x per 16;
+ *    acc[l] = fma(I[l], d * dx, acc[l]); accm[j] = fma(S[j], dmin * dx, accm[j]); y = hsum16(acc) - hsum8(accm)
+ *  32-blocks: u[32] (Q8_0: q + 128), d, and the coefficient o of the block's sum of x (Q4_0: -8d, Q4_1: m):
+ *    lane (b & 1) * 8 + j: acc = fma(sum of u*x over values 32b + 4j .. 4j + 3, d * dx, acc);
+ *    t = fma(o, dx * sum(xq), t) in block order; y = hsum16(acc) + t
+ *  F32/F16/BF16 (activations stay float): acc[e % 16] = fma(w[e], x[e], acc[e % 16]); y = hsum16(acc)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define GQ_AVX2 1
+#else
+#define GQ_AVX2 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GQ_512 1
+#else
+#define GQ_512 0
+#endif
+#if defined(__AVXVNNI__) || GQ_512
+#define GQ_VNNI 1
+#else
+#define GQ_VNNI 0
+#endif
+
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+       Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum { FAM_F = 0, FAM_32 = 1, FAM_K = 2 };
+#define MAXR 8   /* activation rows per pass over a decoded weight row */
+
+static int family(int t) {
+    switch (t) {
+    case F32: case F16: case BF16: return FAM_F;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return FAM_32;
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: return FAM_K;
+    default: return -1;
+    }
+}
+
+/* bytes per block and values per block of each type (gguf's GGML_QUANT_SIZES) */
+static int block_bytes(int t) {
+    switch (t) {
+    case F32: return 4; case F16: return 2; case BF16: return 2;
+    case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24; case Q8_0: return 34;
+    case Q2_K: return 84; case Q3_K: return 110; case Q4_K: return 144; case Q5_K: return 176; case Q6_K: return 210;
+    default: return 0;
+    }
+}
+static int block_values(int t) {
+    int f = family(t);
+    return f == FAM_F ? 1 : f == FAM_32 ? 32 : f == FAM_K ? 256 : 0;
+}
+
+int gq_supported(int t) { return family(t) >= 0; }
+int gq_block_bytes(int t) { return block_bytes(t); }
+int gq_block_values(int t) { return block_values(t); }
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+
+/* ---------------------------------------------------------------- canonical decoded rows */
+
+typedef struct {
+    uint8_t *u;     /* [K] unsigned values */
+    int16_t *sce;   /* K-quants: [K / 2] scale of each pair of values (sc of their group of 16) */
+    int16_t *mn;    /* K-quants: [K / 16] */
+    float *d, *dm;  /* per (super)block: d and dmin (K-quants) or d and the offset coefficient o (32-blocks) */
+    float *f;       /* F16/BF16: [K] floats */
+} drow;
+
+static void q4k_scales(const uint8_t *s, uint8_t sc[8], uint8_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 6) << 4);
+        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+static void set_groups(drow *r, int64_t sb, const int16_t sc[16], const int16_t mn[16]) {
+    int16_t *se = r->sce + sb * 128;
+    for (int g = 0; g < 16; g++) {
+        for (int p = 0; p < 8; p++) se[g * 8 + p] = sc[g];
+        r->mn[sb * 16 + g] = mn[g];
+    }
+}
+
+/* One superblock of a K-quant at b into r's slot sb. */
+static void decode_k(int t, const uint8_t *b, drow *r, int64_t sb) {
+    uint8_t *u = r->u + sb * 256;
+    int16_t sc[16], mn[16];
+    switch (t) {
+    case Q4_K: case Q5_K: {
+        uint8_t s8[8], m8[8];
+        q4k_scales(b + 4, s8, m8);
+        const uint8_t *qh = b + 16, *qs = t == Q4_K ? b + 16 : b + 48;
+        for (int j = 0; j < 4; j++) {
+            for (int l = 0; l < 32; l++) {
+                const uint8_t q = qs[32 * j + l];
+                u[64 * j + l] = q & 0xf;
+                u[64 * j + 32 + l] = q >> 4;
+            }
+        }
+        if (t == Q5_K)
+            for (int i = 0; i < 8; i++)
+                for (int l = 0; l < 32; l++) u[32 * i + l] |= ((qh[l] >> i) & 1) << 4;
+        for (int g = 0; g < 16; g++) { sc[g] = s8[g / 2]; mn[g] = m8[g / 2]; }
+        r->d[sb] = rdh(b);
+        r->dm[sb] = rdh(b + 2);
+        break;
+    }
+    case Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *s = (const int8_t *)(b + 192);
+        for (int a = 0; a < 2; a++)
+            for (int x = 0; x < 128; x++) {
+                const int h = x / 64, l = x % 64, s2 = x / 32, l2 = x % 32;
+                u[128 * a + x] = ((ql[64 * a + l] >> (4 * h)) & 0xf) | (((qh[32 * a + l2] >> (2 * s2)) & 3) << 4);
+            }
+        for (int g = 0; g < 16; g++) { sc[g] = s[g]; mn[g] = (int16_t)(32 * s[g]); }
+        r->d[sb] = r->dm[sb] = rdh(b + 208);
+        break;
+    }
+    case Q3_K: {
+        const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s2 = (e % 128) / 32, l = e % 32;
+            const int ql = (qs[32 * h + l] >> (2 * s2)) & 3, hb = (hm[l] >> (e / 32)) & 1;
+            u[e] = (uint8_t)(ql + 4 * hb); /* q = ql - 4 (1 - hb) = u - 4 */
+        }
+        for (int g = 0; g < 16; g++) {
+            const int lo = g < 8 ? s[g] & 0xf : s[g - 8] >> 4, hi = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+            sc[g] = (int16_t)((lo | (hi << 4)) - 32);
+            mn[g] = (int16_t)(4 * sc[g]);
+        }
+        r->d[sb] = r->dm[sb] = rdh(b + 108);
+        break;
+    }
+    case Q2_K: {
+        const uint8_t *s = b, *qs = b + 16;
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, s2 = (e % 128) / 32, l = e % 32;
+            u[e] = (qs[32 * h + l] >> (2 * s2)) & 3;
+        }
+        for (int g = 0; g < 16; g++) { sc[g] = s[g] & 0xf; mn[g] = s[g] >> 4; }
+        r->d[sb] = rdh(b + 80);
+        r->dm[sb] = rdh(b + 82);
+        break;
+    }
+    }
+    set_groups(r, sb, sc, mn);
+}
+
+/* One 32-block at b into r's slot i. */
+static void decode_32(int t, const uint8_t *b, drow *r, int64_t i) {
+    uint8_t *u = r->u + i * 32;
+    const float d = rdh(b);
+    float o = 0.0f;
+    switch (t) {
+    case Q4_0: case Q4_1: {
+        const uint8_t *qs = b + (t == Q4_0 ? 2 : 4);
+        for (int l = 0; l < 16; l++) { u[l] = qs[l] & 0xf; u[l + 16] = qs[l] >> 4; }
+        o = t == Q4_0 ? -8.0f * d : rdh(b + 2);
+        break;
+    }
+    case Q5_0: case Q5_1: {
+        const int off = t == Q5_0 ? 2 : 4;
+        uint32_t qh;
+        memcpy(&qh, b + off, 4);
+        const uint8_t *qs = b + off + 4;
+        for (int l = 0; l < 16; l++) {
+            u[l] = (qs[l] & 0xf) | (((qh >> l) & 1) << 4);
+            u[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        }
+        o = t == Q5_0 ? -16.0f * d : rdh(b + 2);
+        break;
+    }
+    case Q8_0:
+        for (int l = 0; l < 32; l++) u[l] = (uint8_t)(b[2 + l] ^ 0x80); /* q + 128 */
+        o = -128.0f * d;
+        break;
+    }
+    r->d[i] = d;
+    r->dm[i] = o;
+}
+
+#if GQ_AVX2
+/* The hot decoders with AVX2 (same results as the loops above, which remain for other types). */
+static inline void decode_q4k_avx2(const uint8_t *b, drow *r, int64_t sb, int q5) {
+    uint8_t s8[8], m8[8];
+    q4k_scales(b + 4, s8, m8);
+    const uint8_t *qs = q5 ? b + 48 : b + 16;
+    uint8_t *u = r->u + sb * 256;
+    const __m256i lo = _mm256_set1_epi8(0x0f);
+    __m256i hbits = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i a = _mm256_and_si256(q, lo), c = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
+        if (q5) {
+            const __m256i one = _mm256_set1_epi8(1);
+            a = _mm256_or_si256(a, _mm256_slli_epi16(_mm256_and_si256(hbits, one), 4));
+            c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), one), 4));
+            hbits = _mm256_srli_epi16(hbits, 2);
+        }
+        _mm256_storeu_si256((__m256i *)(u + 64 * j), a);
+        _mm256_storeu_si256((__m256i *)(u + 64 * j + 32), c);
+    }
+    int16_t *se = r->sce + sb * 128;
+    for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(se + 16 * s), _mm256_set1_epi16(s8[s]));
+    for (int g = 0; g < 16; g++) r->mn[sb * 16 + g] = m8[g / 2];
+    r->d[sb] = rdh(b);
+    r->dm[sb] = rdh(b + 2);
+}
+
+static inline void decode_q6k_avx2(const uint8_t *b, drow *r, int64_t sb) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *s = (const int8_t *)(b + 192);
+    uint8_t *u = r->u + sb * 256;
+    const __m256i lo = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    for (int a = 0; a < 2; a++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * a));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * a + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * a));
+        const __m256i n[4] = {_mm256_and_si256(l0, lo), _mm256_and_si256(l1, lo),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo), _mm256_and_si256(_mm256_srli_epi16(l1, 4), lo)};
+        for (int s2 = 0; s2 < 4; s2++) {
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s2), m3);
+            _mm256_storeu_si256((__m256i *)(u + 128 * a + 32 * s2), _mm256_or_si256(n[s2], _mm256_slli_epi16(hb, 4)));
+        }
+    }
+    int16_t *se = r->sce + sb * 128;
+    for (int g = 0; g < 16; g++) {
+        _mm_storeu_si128((__m128i *)(se + 8 * g), _mm_set1_epi16(s[g]));
+        r->mn[sb * 16 + g] = (int16_t)(32 * s[g]);
+    }
+    r->d[sb] = r->dm[sb] = rdh(b + 208);
+}
+#endif
+
+static void decode_row(int t, const uint8_t *w, int64_t K, drow *r) {
+    const int bb = block_bytes(t);
+    if (family(t) == FAM_K) {
+        const int64_t nsb = K / 256;
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *b = w + sb * bb;
+#if GQ_AVX2
+            if (t == Q4_K || t == Q5_K) { decode_q4k_avx2(b, r, sb, t == Q5_K); continue; }
+            if (t == Q6_K) { decode_q6k_avx2(b, r, sb); continue; }
+#endif
+            decode_k(t, b, r, sb);
+        }
+    } else if (family(t) == FAM_32) {
+        for (int64_t i = 0; i < K / 32; i++) decode_32(t, w + i * bb, r, i);
+    } else if (t == F16) {
+        for (int64_t e = 0; e < K; e++) r->f[e] = f16_to_f32(rd16(w + 2 * e));
+    } else if (t == BF16) {
+        for (int64_t e = 0; e < K; e++) {
+            const uint32_t bits = (uint32_t)rd16(w + 2 * e) << 16;
+            memcpy(r->f + e, &bits, 4);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* Per-row int8 quantisation of x[M, K] in blocks of `blk` (32 or 256): xq[M, K], xd[M, K / blk] scales;
+ * for blk = 256 also xb[M, K / 16] sums of each 16; for blk = 32 also xs[M, K / 32] = scale * sum. */
+static void quantize_block(const float *x, int blk, int8_t *xq, float *xd, int16_t *xb, float *xs) {
+    float amax = 0.0f;
+    for (int i = 0; i < blk; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    *xd = d;
+    int32_t sum = 0;
+    for (int i = 0; i < blk; i++) {
+        float v = nearbyintf(x[i] * id);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        xq[i] = (int8_t)v;
+        sum += xq[i];
+    }
+    if (xb)
+        for (int g = 0; g < blk / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += xq[16 * g + i];
+            xb[g] = (int16_t)s;
+        }
+    if (xs) *xs = d * (float)sum;
+}
+
+/* ---------------------------------------------------------------- canonical float reductions */
+
+static inline float hsum8_lanes(const float v[8]) {
+    const float s0 = v[0] + v[4], s1 = v[1] + v[5], s2 = v[2] + v[6], s3 = v[3] + v[7];
+    return (s0 + s2) + (s1 + s3);
+}
+static inline float hsum16_lanes(const float v[16]) {
+    float h[8];
+    for (int j = 0; j < 8; j++) h[j] = v[j] + v[j + 8];
+    return hsum8_lanes(h);
+}
+#if GQ_AVX2
+static inline float hsum8_avx(__m256 v) { /* = hsum8_lanes */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline float hsum16_avx(__m256 lo, __m256 hi) { return hsum8_avx(_mm256_add_ps(lo, hi)); }
+#endif
+#if GQ_512
+static inline __m512 join8(__m256 lo, __m256 hi) { /* lanes 0-7 lo, 8-15 hi (AVX512F only) */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+#endif
+
+/* ---------------------------------------------------------------- dot products of one decoded row */
+
+/* K-quants: out[m] = dot(row, x row m) for R rows (R a compile-time constant where inlined). */
+static inline __attribute__((always_inline)) void dot_k(
+    const int R, const drow *w, const int64_t nsb, const int8_t *xq, const int64_t K, const float *xd,
+    const int16_t *xb, float *out) {
+#if GQ_512
+    __m512 acc[MAXR];
+    __m256 accm[MAXR];
+    for (int m = 0; m < R; m++) { acc[m] = _mm512_setzero_ps(); accm[m] = _mm256_setzero_ps(); }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *u = w->u + sb * 256;
+        const int16_t *se = w->sce + sb * 128;
+        __m512i U[4], S[4];
+        for (int c = 0; c < 4; c++) {
+            U[c] = _mm512_loadu_si512((const void *)(u + 64 * c));
+            S[c] = _mm512_loadu_si512((const void *)(se + 32 * c));
+        }
+        const __m256i mn = _mm256_loadu_si256((const __m256i *)(w->mn + sb * 16));
+        const float d = w->d[sb], dm = w->dm[sb];
+        for (int m = 0; m < R; m++) {
+            const int8_t *x = xq + m * K + sb * 256;
+            __m512i I = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(U[0], _mm512_loadu_si512((const void *)x)), S[0]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[1], _mm512_loadu_si512((const void *)(x + 64))), S[1]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[2], _mm512_loadu_si512((const void *)(x + 128))), S[2]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[3], _mm512_loadu_si512((const void *)(x + 192))), S[3]);
+            const __m256i Sm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + m * (K / 16) + sb * 16)));
+            const float dx = xd[m * nsb + sb];
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_set1_ps(d * dx), acc[m]);
+            accm[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sm), _mm256_set1_ps(dm * dx), accm[m]);
+        }
+    }
+    for (int m = 0; m < R; m++)
+        out[m] = hsum16_avx(_mm512_castps512_ps256(acc[m]),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1))) - hsum8_avx(accm[m]);
+#elif GQ_AVX2
+    __m256 lo[MAXR], hi[MAXR], accm[MAXR];
+    for (int m = 0; m < R; m++) { lo[m] = hi[m] = accm[m] = _mm256_setzero_ps(); }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *u = w->u + sb * 256;
+        const int16_t *se = w->sce + sb * 128;
+        const __m256i mn = _mm256_loadu_si256((const __m256i *)(w->mn + sb * 16));
+        const float d = w->d[sb], dm = w->dm[sb];
+        for (int m = 0; m < R; m++) {
+            const int8_t *x = xq + m * K + sb * 256;
+            __m256i I0 = _mm256_setzero_si256(), I1 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + 64 * c)),
+                                                        _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
+                const __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + 64 * c + 32)),
+                                                        _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
+                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(se + 32 * c));
+                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(se + 32 * c + 16));
+#if GQ_VNNI
+                I0 = _mm256_dpwssd_avx_epi32(I0, p0, s0);
+                I1 = _mm256_dpwssd_avx_epi32(I1, p1, s1);
+#else
+                I0 = _mm256_add_epi32(I0, _mm256_madd_epi16(p0, s0));
+                I1 = _mm256_add_epi32(I1, _mm256_madd_epi16(p1, s1));
+#endif
+            }
+            const __m256i Sm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + m * (K / 16) + sb * 16)));
+            const float dx = xd[m * nsb + sb];
+            const __m256 a = _mm256_set1_ps(d * dx);
+            lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), a, lo[m]);
+            hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), a, hi[m]);
+            accm[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sm), _mm256_set1_ps(dm * dx), accm[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) out[m] = hsum16_avx(lo[m], hi[m]) - hsum8_avx(accm[m]);
+#else
+    for (int m = 0; m < R; m++) {
+        float acc[16] = {0}, accm[8] = {0};
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *u = w->u + sb * 256;
+            const int16_t *se = w->sce + sb * 128, *mn = w->mn + sb * 16;
+            const int8_t *x = xq + m * K + sb * 256;
+            const int16_t *b = xb + m * (K / 16) + sb * 16;
+            const float dx = xd[m * nsb + sb], a = w->d[sb] * dx, am = w->dm[sb] * dx;
+            for (int l = 0; l < 16; l++) {
+                int32_t I = 0;
+                for (int c = 0; c < 4; c++) {
+                    const int e = 64 * c + 4 * l;
+                    int32_t s = 0;
+                    for (int i = 0; i < 4; i++) s += (int32_t)u[e + i] * x[e + i];
+                    I += (int32_t)se[e / 2] * s;
+                }
+                acc[l] = fmaf((float)I, a, acc[l]);
+            }
+            for (int j = 0; j < 8; j++)
+                accm[j] = fmaf((float)((int32_t)mn[2 * j] * b[2 * j] + (int32_t)mn[2 * j + 1] * b[2 * j + 1]), am, accm[j]);
+        }
+        out[m] = hsum16_lanes(acc) - hsum8_lanes(accm);
+    }
+#endif
+}
+
+/* 32-blocks (wide: u up to 255, Q8_0) */
+static inline __attribute__((always_inline)) void dot_32(
+    const int R, const drow *w, const int64_t nb, const int wide, const int8_t *xq, const int64_t K,
+    const float *xd, const float *xs, float *out) {
+    float t[MAXR];
+    for (int m = 0; m < R; m++) t[m] = 0.0f;
+#if GQ_512
+    __m512 acc[MAXR];
+    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const __m512i U = _mm512_loadu_si512((const void *)(w->u + 32 * b));
+        const float d0 = w->d[b], d1 = w->d[b + 1], o0 = w->dm[b], o1 = w->dm[b + 1];
+        for (int m = 0; m < R; m++) {
+            const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), U, _mm512_loadu_si512((const void *)(xq + m * K + 32 * b)));
+            const float *dx = xd + m * nb + b, *sx = xs + m * nb + b;
+            const __m512 a = join8(_mm256_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), a, acc[m]);
+            t[m] = fmaf(o0, sx[0], t[m]);
+            t[m] = fmaf(o1, sx[1], t[m]);
+        }
+    }
+    if (b < nb) { /* an odd last block: even index, lanes 0-7 */
+        const __m256i U = _mm256_loadu_si256((const __m256i *)(w->u + 32 * b));
+        for (int m = 0; m < R; m++) {
+            const __m256i P = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b)));
+            const __m512 a = join8(_mm256_set1_ps(w->d[b] * xd[m * nb + b]), _mm256_setzero_ps());
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(P)), a, acc[m]);
+            t[m] = fmaf(w->dm[b], xs[m * nb + b], t[m]);
+        }
+    }
+    (void)wide;
+    for (int m = 0; m < R; m++)
+        out[m] = hsum16_avx(_mm512_castps512_ps256(acc[m]),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1))) + t[m];
+#elif GQ_AVX2
+    __m256 acc[2][MAXR];
+    for (int m = 0; m < R; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i U = _mm256_loadu_si256((const __m256i *)(w->u + 32 * b));
+        const __m256i Ws = _mm256_xor_si256(U, bias); /* wide: the signed q */
+        const float d = w->d[b], o = w->dm[b];
+        for (int m = 0; m < R; m++) {
+            const __m256i X = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
+            __m256i P;
+#if GQ_VNNI
+            P = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), U, X);
+            (void)Ws; (void)ones; (void)wide;
+#else
+            if (wide) { /* u x = q x + 128 x, each part without int16 saturation */
+                const __m256i qx = _mm256_maddubs_epi16(_mm256_sign_epi8(Ws, Ws), _mm256_sign_epi8(X, Ws));
+                const __m256i bx = _mm256_maddubs_epi16(bias, X);
+                P = _mm256_add_epi32(_mm256_madd_epi16(qx, ones), _mm256_madd_epi16(bx, ones));
+            } else {
+                P = _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones);
+            }
+#endif
+            acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_set1_ps(d * xd[m * nb + b]), acc[b & 1][m]);
+            t[m] = fmaf(o, xs[m * nb + b], t[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) out[m] = hsum16_avx(acc[0][m], acc[1][m]) + t[m];
+#else
+    (void)wide;
+    for (int m = 0; m < R; m++) {
+        float acc[16] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *u = w->u + 32 * b;
+            const int8_t *x = xq + m * K + 32 * b;
+            const float a = w->d[b] * xd[m * nb + b];
+            for (int j = 0; j < 8; j++) {
+                int32_t P = 0;
+                for (int i = 0; i < 4; i++) P += (int32_t)u[4 * j + i] * x[4 * j + i];
+                acc[(b & 1) * 8 + j] = fmaf((float)P, a, acc[(b & 1) * 8 + j]);
+            }
+            t[m] = fmaf(w->dm[b], xs[m * nb + b], t[m]);
+        }
+        out[m] = hsum16_lanes(acc) + t[m];
+    }
+#endif
+}
+
+/* float rows: wf[K] against float activations */
+static inline __attribute__((always_inline)) void dot_f(const int R, const float *wf, const float *x, const int64_t K,
+                                                       float *out) {
+#if GQ_AVX2
+    __m256 lo[MAXR], hi[MAXR];
+    for (int m = 0; m < R; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < K; e += 16) {
+        const __m256 w0 = _mm256_loadu_ps(wf + e), w1 = _mm256_loadu_ps(wf + e + 8);
+        for (int m = 0; m < R; m++) {
+            lo[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + e), lo[m]);
+            hi[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + e + 8), hi[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) out[m] = hsum16_avx(lo[m], hi[m]);
+#else
+    for (int m = 0; m < R; m++) {
+        float acc[16] = {0};
+        for (int64_t e = 0; e < K; e++) acc[e % 16] = fmaf(wf[e], x[m * K + e], acc[e % 16]);
+        out[m] = hsum16_lanes(acc);
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------- the matmul */
+
+typedef struct {
+    int32_t type;
+    int32_t _pad;
+    const uint8_t *w;      /* [n][row_bytes] */
+    int64_t n;             /* rows of this part */
+    int64_t row_bytes;
+    const int32_t *perm;   /* or NULL: row r of the part goes to output column offset + perm[r] */
+} gq_part;
+
+#define ROW_SWITCH(mc, BODY)                                                                        \
+    switch (mc) {                                                                                   \
+    case 1: BODY(1); break;                                                                         \
+    case 2: BODY(2); break;                                                                         \
+    case 3: BODY(3); break;                                                                         \
+    case 4: BODY(4); break;                                                                         \
+    case 5: BODY(5); break;                                                                         \
+    case 6: BODY(6); break;                                                                         \
+    case 7: BODY(7); break;                                                                         \
+    default: BODY(8); break;                                                                        \
+    }
+
+/* Checks a part list against K; returns 0 or a negative code (see gq_matmul). */
+static int check_parts(const gq_part *parts, int nparts, int64_t K) {
+    for (int p = 0; p < nparts; p++) {
+        const int t = parts[p].type, bv = block_values(t);
+        if (family(t) < 0) return -2;
+        if (K % 32 || K % bv || (family(t) == FAM_F && K % 16)) return -3;
+        if (parts[p].row_bytes != K / bv * block_bytes(t)) return -4;
+    }
+    return 0;
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]), W given as parts stacked along the output dimension.
+ * Returns 0; -1 out of memory; -2 an unsupported type; -3 K not a multiple of the block size;
+ * -4 a part's row size does not match its type and K. */
+int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
+              int64_t N, int nthreads) {
+    int rc = check_parts(parts, nparts, K);
+    if (rc) return rc;
+    int need32 = 0, needk = 0;
+    int64_t total = 0;
+    for (int p = 0; p < nparts; p++) {
+        need32 |= family(parts[p].type) == FAM_32;
+        needk |= family(parts[p].type) == FAM_K;
+        total += parts[p].n;
+    }
+    if (total != N) return -4;
+    const int64_t nb = K / 32, nsb = K / 256;
+    int8_t *xq32 = NULL, *xqk = NULL;
+    float *xd32 = NULL, *xs32 = NULL, *xdk = NULL;
+    int16_t *xbk = NULL;
+    if (need32) {
+        xq32 = malloc(M * K + 64);
+        xd32 = malloc(sizeof(float) * (M * nb + 1));
+        xs32 = malloc(sizeof(float) * (M * nb + 1));
+    }
+    if (needk) {
+        xqk = malloc(M * K + 64);
+        xdk = malloc(sizeof(float) * (M * nsb + 1));
+        xbk = malloc(sizeof(int16_t) * (M * (K / 16) + 16));
+    }
+    if ((need32 && (!xq32 || !xd32 || !xs32)) || (needk && (!xqk || !xdk || !xbk))) {
+        rc = -1;
+        goto done;
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (N * K < (1 << 16)) nthreads = 1; /* not worth waking other threads */
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (need32) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nb; i++)
+                quantize_block(x + i * 32, 32, xq32 + i * 32, xd32 + i, NULL, xs32 + i);
+        }
+        if (needk) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * nsb; i++)
+                quantize_block(x + i * 256, 256, xqk + i * 256, xdk + i, xbk + i * 16, NULL);
+        }
+        /* one decoded row per thread: u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K] */
+        const size_t bytes = (size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16) + 2 * sizeof(float) * (K / 32) +
+                             sizeof(float) * K + 256;
+        char *mem = malloc(bytes);
+        drow r;
+        if (mem) {
+            r.u = (uint8_t *)mem;
+            r.sce = (int16_t *)(mem + ((K + 64 + 63) & ~(int64_t)63));
+            r.mn = r.sce + K / 2;
+            r.d = (float *)(r.mn + K / 16 + 16);
+            r.dm = r.d + K / 32;
+            r.f = r.dm + K / 32;
+        } else {
+#pragma omp atomic write
+            rc = -1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < N; g++) {
+            if (!mem) continue;
+            int p = 0;
+            int64_t off = 0;
+            while (g - off >= parts[p].n) off += parts[p++].n;
+            const gq_part *P = parts + p;
+            const int64_t rr = g - off;
+            const int t = P->type, fam = family(t);
+            const uint8_t *wrow = P->w + rr * P->row_bytes;
+            const int64_t col = off + (P->perm ? P->perm[rr] : rr);
+            const float bv = bias ? bias[col] : 0.0f;
+            const float *wf = r.f;
+            if (t == F32) wf = (const float *)wrow;
+            else decode_row(t, wrow, K, &r);
+            for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
+                const int mc = (int)(M - m0 < MAXR ? M - m0 : MAXR);
+                float o[MAXR];
+                if (fam == FAM_K) {
+#define KB(R) dot_k(R, &r, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
+                    ROW_SWITCH(mc, KB);
+#undef KB
+                } else if (fam == FAM_32) {
+#define B32(R) dot_32(R, &r, nb, t == Q8_0, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
+                    ROW_SWITCH(mc, B32);
+#undef B32
+                } else {
+#define FB(R) dot_f(R, wf, x + m0 * K, K, o)
+                    ROW_SWITCH(mc, FB);
+#undef FB
+                }
+                for (int m = 0; m < mc; m++) y[(m0 + m) * N + col] = bias ? o[m] + bv : o[m];
+            }
+        }
+        free(mem);
+    }
+done:
+    free(xq32); free(xd32); free(xs32); free(xqk); free(xdk); free(xbk);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- dequantisation (embeddings, prefill) */
+
+/* The float weights of one row as gguf's dequantisers compute them (same operations, same bits). */
+static void dequant_row(int t, const uint8_t *w, int64_t K, float *out) {
+    const int bb = block_bytes(t);
+    if (t == F32) { memcpy(out, w, sizeof(float) * K); return; }
+    if (t == F16 || t == BF16) {
+        for (int64_t e = 0; e < K; e++) {
+            if (t == F16) out[e] = f16_to_f32(rd16(w + 2 * e));
+            else { const uint32_t bits = (uint32_t)rd16(w + 2 * e) << 16; memcpy(out + e, &bits, 4); }
+        }
+        return;
+    }
+    uint8_t u[256];
+    int16_t sce[128], mn[16];
+    float d[8], dm[8];
+    drow r = {u, sce, mn, d, dm, NULL};
+    if (family(t) == FAM_32) {
+        for (int64_t i = 0; i < K / 32; i++) {
+            const uint8_t *b = w + i * bb;
+            decode_32(t, b, &r, 0);
+            const float db = d[0];
+            float *o = out + 32 * i;
+            for (int l = 0; l < 32; l++) {
+                switch (t) {
+                case Q4_0: o[l] = db * (float)(u[l] - 8); break;
+                case Q5_0: o[l] = db * (float)(u[l] - 16); break;
+                case Q8_0: o[l] = (float)(u[l] - 128) * db; break;
+                default: o[l] = db * (float)u[l] + dm[0]; break; /* Q4_1, Q5_1: d q + m */
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        decode_k(t, w + sb * bb, &r, 0);
+        float *o = out + 256 * sb;
+        for (int e = 0; e < 256; e++) {
+            const int g = e / 16;
+            const float dl = d[0] * (float)sce[8 * g];
+            switch (t) {
+            case Q6_K: o[e] = dl * (float)(u[e] - 32); break;
+            case Q3_K: o[e] = dl * (float)(u[e] - 4); break;
+            default: o[e] = dl * (float)u[e] - dm[0] * (float)mn[g]; break; /* Q2_K, Q4_K, Q5_K */
+            }
+        }
+    }
+}
+
+/* out[i, K] = row rows[i] of W (embedding lookups). Returns 0, or -2 for an unsupported type. */
+int gq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *rows, int64_t n,
+                    float *out) {
+    if (family(type) < 0) return -2;
+    for (int64_t i = 0; i < n; i++) dequant_row(type, w + rows[i] * row_bytes, K, out + i * K);
+    return 0;
+}
+
+/* out[r1 - r0, K] = rows r0 .. r1 - 1 of W (long passes multiply these in bf16 or float32). */
+int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t r0, int64_t r1, float *out,
+                     int nthreads) {
+    if (family(type) < 0) return -2;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = r0; r < r1; r++) dequant_row(type, w + r * row_bytes, K, out + (r - r0) * K);
+    return 0;
+}
+
+/* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */
+int gq_isa(void) { return GQ_512 ? 3 : GQ_VNNI ? 2 : GQ_AVX2 ? 1 : 0; }

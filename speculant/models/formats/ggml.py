@@ -1,0 +1,261 @@
+"""GGML block formats (the types a GGUF file stores), multiplied as stored by `kernels/gq.c`.
+
+A `GGMLLinear` is one or more *parts* stacked along the output dimension, each a 2-D uint8 array of
+whole rows in one GGML type ([rows, row_bytes], usually a read-only memory map of the GGUF file), so
+q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permutation (llama files
+store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
+
+Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
+Longer passes (prompt prefill) dequantize the weights a chunk at a time and multiply them in bf16
+where the CPU has AVX512-BF16 (oneDNN), several times faster; elsewhere they run the integer kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import Tensor, nn
+
+from ...errors import SpeculantError
+from .. import native
+from .base import QLinear, SHORT_PASS_MAX
+
+# --dtype names that quantize float weights into a GGML type on load (gguf's reference quantizers)
+GGML_TYPES: dict[str, GGMLQuantizationType] = {
+    "q8_0": GGMLQuantizationType.Q8_0, "q5_1": GGMLQuantizationType.Q5_1, "q5_0": GGMLQuantizationType.Q5_0,
+    "q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "bf16": GGMLQuantizationType.BF16,
+    "f16": GGMLQuantizationType.F16,
+}
+_CHUNK_BYTES = 32 << 20  # prefill: dequantize at most this much float32 weight at a time
+
+
+class _Part(ctypes.Structure):  # gq_part in gq.c
+    _fields_ = [("type", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64), ("perm", ctypes.c_void_p)]
+
+
+def ggml_available() -> bool:
+    """Whether the block-format kernels run here (a C compiler; any CPU)."""
+    try:
+        native.gq_library()
+    except SpeculantError:
+        return False
+    return True
+
+
+@functools.cache
+def bf16_prefill_available() -> bool:
+    """Whether long passes multiply in bf16 (AVX512-BF16; $SPECULANT_PREFILL=int8 turns it off)."""
+    if os.environ.get("SPECULANT_PREFILL", "").lower() == "int8":
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= native.cpu_flags() or "amx_bf16" in native.cpu_flags()
+
+
+def check_type(qtype: int, name: str) -> GGMLQuantizationType:
+    """The tensor's type if the kernels multiply it, else a clear error naming the tensor."""
+    lib = native.gq_library()
+    try:
+        t = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise SpeculantError(f"tensor {name} has unknown GGML type id {qtype}") from None
+    if not lib.gq_supported(int(t)):
+        ok = ", ".join(sorted(t.name for t in GGMLQuantizationType if lib.gq_supported(int(t))))
+        raise SpeculantError(f"tensor {name} is stored as {t.name}, which speculant's kernels do not multiply "
+                             f"(supported: {ok}); use --dtype float32 to dequantize the file instead")
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    qtype: int
+    data: np.ndarray  # [rows, row_bytes] uint8, C-contiguous (may be a read-only memory map)
+    perm: np.ndarray | None = None  # [rows] int32: row r -> output column perm[r] within the part
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if k % block:
+        raise SpeculantError(f"a row of {k} values is not a whole number of {GGMLQuantizationType(qtype).name} "
+                             f"blocks ({block} values each)")
+    return k // block * size
+
+
+class GGMLLinear(QLinear):
+    def __init__(self, parts: list[Part], in_features: int, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        for p in parts:
+            if p.data.dtype != np.uint8 or p.data.ndim != 2 or p.data.shape[1] != row_bytes(p.qtype, in_features):
+                raise SpeculantError(f"a {GGMLQuantizationType(p.qtype).name} part of shape {p.data.shape} does not "
+                                     f"hold rows of {in_features} values")
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self._lib = native.gq_library()
+        table = (_Part * len(parts))()
+        for row, p in zip(table, parts):
+            row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
+            row.perm = None if p.perm is None else p.perm.ctypes.data
+        self._table = table
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(GGMLQuantizationType(p.qtype).name for p in self.parts)
+        return f"{self.in_features} -> {self.out_features}, {kinds}"
+
+    def _apply(self, fn, recurse=True):  # weights stay on the CPU, memory-mapped: only the bias may move
+        out = super()._apply(fn, recurse)
+        if self.bias is not None and (self.bias.device.type != "cpu" or self.bias.dtype != torch.float32):
+            raise SpeculantError("GGML block formats run on the CPU only; use --dtype float32 on other devices")
+        return out
+
+    @property
+    def table(self):
+        """The parts as gq.c's gq_part array (for the fused block loop)."""
+        return self._table
+
+    def forward(self, x: Tensor) -> Tensor:  # x [M, K] -> [M, N]
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        M, K = x.shape
+        if K != self.in_features:
+            raise SpeculantError(f"a GGML linear layer expects {self.in_features} input features, got {K}")
+        if M > SHORT_PASS_MAX and bf16_prefill_available():
+            return self._forward_bf16(x)
+        y = torch.empty(M, self.out_features, dtype=torch.float32)
+        if M:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            rc = self._lib.gq_matmul(self._table, len(self.parts), x.data_ptr(), M, K, bias, y.data_ptr(),
+                                     self.out_features, torch.get_num_threads())
+            if rc:
+                raise SpeculantError(_ERRORS.get(rc, f"the GGML matmul failed ({rc})"))
+        return y
+
+    def _forward_bf16(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, N]
+        K = self.in_features
+        xb = x.to(torch.bfloat16)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        step = max(16, _CHUNK_BYTES // (4 * K))
+        buf = torch.empty(min(step, max(p.rows for p in self.parts)), K, dtype=torch.float32)
+        col = 0
+        for p in self.parts:
+            out = y[:, col:col + p.rows] if p.perm is None else torch.empty(x.shape[0], p.rows)
+            for r0 in range(0, p.rows, step):
+                r1 = min(r0 + step, p.rows)
+                self._lib.gq_dequant_range(p.qtype, p.data.ctypes.data, p.data.shape[1], K, r0, r1, buf.data_ptr(),
+                                           threads)
+                out[:, r0:r1] = torch.mm(xb, buf[: r1 - r0].to(torch.bfloat16).T)
+            if p.perm is not None:
+                y[:, col + torch.from_numpy(p.perm).long()] = out
+            col += p.rows
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def weight_bytes(self) -> int:
+        return sum(p.data.nbytes for p in self.parts)
+
+    def dequantized(self) -> Tensor:
+        """The weight[N, K] in float32 that this layer multiplies (tests, float32 fallbacks)."""
+        out = torch.empty(self.out_features, self.in_features)
+        col = 0
+        for p in self.parts:
+            w = torch.empty(p.rows, self.in_features)
+            self._lib.gq_dequant_range(p.qtype, p.data.ctypes.data, p.data.shape[1], self.in_features, 0, p.rows,
+                                       w.data_ptr(), 1)
+            idx = torch.arange(p.rows) if p.perm is None else torch.from_numpy(p.perm).long()
+            out[col + idx] = w
+            col += p.rows
+        return out
+
+    def first_rows(self, n: int) -> "GGMLLinear":
+        """Output rows [0, n) (a draft head over a reduced vocabulary): a view, no copy."""
+        if len(self.parts) != 1 or self.parts[0].perm is not None:
+            raise SpeculantError("only a single unpermuted GGML layer can be cut to its first rows")
+        p = self.parts[0]
+        bias = None if self.bias is None else self.bias.data[:n]
+        return GGMLLinear([Part(p.qtype, p.data[: min(n, p.rows)])], self.in_features, bias)
+
+    def state(self) -> dict[str, Tensor]:
+        if len(self.parts) != 1 or self.parts[0].perm is not None:
+            raise SpeculantError("only a single unpermuted GGML layer can be saved")
+        p = self.parts[0]
+        out = {"ggml_type": torch.tensor([p.qtype]), "ggml_data": torch.from_numpy(np.ascontiguousarray(p.data)),
+               "ggml_k": torch.tensor([self.in_features])}
+        if self.bias is not None:
+            out["bias"] = self.bias.data
+        return out
+
+    @classmethod
+    def from_state(cls, st: dict[str, Tensor]) -> "GGMLLinear":
+        try:
+            part = Part(int(st["ggml_type"][0]), st["ggml_data"].numpy())
+            return cls([part], int(st["ggml_k"][0]), st.get("bias"))
+        except KeyError as e:
+            raise SpeculantError(f"a saved GGML layer lacks {e}") from None
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None, fmt: str) -> "GGMLLinear":
+        """Quantize weight[N, K] into the GGML type `fmt` names, with the gguf package's quantizers."""
+        from gguf import quants
+
+        qtype = GGML_TYPES[fmt]
+        native.gq_library()  # fail before the (slow) quantization where the kernels cannot run
+        w = weight.detach().float().contiguous().numpy()
+        try:
+            data = quants.quantize(w, qtype)
+        except (ValueError, NotImplementedError) as e:
+            raise SpeculantError(f"cannot quantize a {tuple(weight.shape)} weight to {fmt}: {e}") from None
+        return cls([Part(int(qtype), np.ascontiguousarray(data))], weight.shape[1], bias)
+
+
+_ERRORS = {
+    -1: "the GGML matmul ran out of memory for its activation scratch",
+    -2: "a GGML tensor type the kernels do not support reached the matmul",
+    -3: "the input width is not a multiple of the weights' block size",
+    -4: "a GGML weight's byte size does not match its type and shape",
+}
+
+
+class GGMLEmbedding(nn.Module):
+    """A token embedding table kept in its GGML type; rows are dequantized on lookup."""
+
+    def __init__(self, part: Part, dim: int) -> None:
+        super().__init__()
+        if part.data.shape[1] != row_bytes(part.qtype, dim):
+            raise SpeculantError("the embedding table's row size does not match its type and width")
+        self.part, self.dim = part, dim
+        self._lib = native.gq_library()
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.part.rows
+
+    def row_bytes(self) -> int:
+        return self.part.data.shape[1]
+
+    def forward(self, tokens: Tensor) -> Tensor:  # [S] long -> [S, D]
+        ids = tokens.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.part.rows):
+            raise SpeculantError(f"token id out of range for an embedding table of {self.part.rows} rows")
+        out = torch.empty(ids.shape[0], self.dim)
+        p = self.part
+        self._lib.gq_dequant_rows(p.qtype, p.data.ctypes.data, p.data.shape[1], self.dim, ids.data_ptr(),
+                                  ids.shape[0], out.data_ptr())
+        return out
+
+    def as_linear(self) -> GGMLLinear:
+        """The same tensor as an output layer (tied embeddings): no copy."""
+        return GGMLLinear([self.part], self.dim)

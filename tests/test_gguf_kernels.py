@@ -1,0 +1,156 @@
+"""The GGML block-format kernels (speculant/kernels/gq.c) against float64 references built with the
+`gguf` package's dequantizers, bit-identity across row counts and across every build this CPU runs,
+and the model built on them (models/formats/ggml.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import quants
+
+from speculant.errors import SpeculantError
+from speculant.models import native
+from speculant.models.formats.ggml import GGMLEmbedding, GGMLLinear, Part, row_bytes
+
+TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+# byte offsets of each type's fp16 scale fields (d, and dmin / m where the type has one)
+_F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
+               T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_blocks(t: T, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, row_bytes] uint8: random bits in every quant field, sane random fp16 scales (any bit pattern
+    of the integer fields is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if t in (T.F32, T.F16, T.BF16):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        return np.ascontiguousarray(quants.quantize(w, t)) if t == T.BF16 else \
+            np.ascontiguousarray(w.astype(np.float16 if t == T.F16 else np.float32)).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[t]
+    data = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[t]:
+        scales = (rng.uniform(0.002, 0.02, size=(n, k // block)) * rng.choice([-1, 1], size=(n, k // block)))
+        data[:, :, off:off + 2] = scales.astype(np.float16)[..., None].view(np.uint8).reshape(n, k // block, 2)
+    return data.reshape(n, -1)
+
+
+def dequant(t: T, data: np.ndarray, k: int) -> np.ndarray:
+    return quants.dequantize(data, t).reshape(data.shape[0], k).astype(np.float32)
+
+
+def q8_reference(x: torch.Tensor, t: T) -> torch.Tensor:
+    """The activations as the kernel sees them: int8 per block of 32 (256 for K-quants), float32 scale
+    absmax / 127, round to nearest even; returned dequantized in float64."""
+    if t in (T.F32, T.F16, T.BF16):
+        return x.double()
+    blk = 256 if t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) else 32
+    xb = x.reshape(x.shape[0], -1, blk)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv).clamp(-127, 127)
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def matmul(lib, parts: list[Part], x: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    lin = GGMLLinear(parts, k, bias)
+    y = torch.empty(x.shape[0], lin.out_features)
+    rc = lib.gq_matmul(lin.table, len(parts), x.data_ptr(), x.shape[0], k,
+                       None if bias is None else lin.bias.data_ptr(), y.data_ptr(), lin.out_features, 2)
+    assert rc == 0
+    return y
+
+
+def builds() -> list[tuple[str, ctypes.CDLL]]:
+    out = [(isa, native.library(isa)) for isa in native.supported_isas()]
+    return out + [("portable", native.portable_library())]
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_each_type_matches_a_float64_reference(t):
+    N, K = 24, 512
+    data = random_blocks(t, N, K, seed=int(t))
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
+    ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, data, K)).double().T
+    for name, lib in builds():
+        y = matmul(lib, [Part(int(t), data)], x, K).double()
+        err = (y - ref).abs().max() / ref.abs().max()
+        assert err < 2e-6, (name, float(err))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequantized_rows_are_the_gguf_packages_bit_for_bit(t):
+    K = 512
+    data = random_blocks(t, 6, K, seed=100 + int(t))
+    emb = GGMLEmbedding(Part(int(t), data), K)
+    got = emb(torch.tensor([5, 0, 3])).numpy()
+    want = dequant(t, data, K)[[5, 0, 3]]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
+    """What keeps speculative greedy output identical to plain decoding: row m's output does not depend
+    on how many rows share the call, the thread count, or the instruction set it was built for."""
+    K = 768
+    parts = [Part(int(t), random_blocks(t, n, K, seed=7 + i)) for i, (t, n) in
+             enumerate([(T.Q4_K, 19), (T.Q6_K, 8), (T.Q8_0, 5), (T.Q5_0, 3), (T.Q4_1, 2), (T.F16, 3), (T.Q3_K, 2),
+                        (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1)])]
+    x = torch.randn(32, K, generator=torch.Generator().manual_seed(3)) * 3
+    bias = torch.randn(sum(p.rows for p in parts))
+    results = []
+    for name, lib in builds():
+        full = matmul(lib, parts, x, K, bias)
+        for m in range(1, 33):
+            part = matmul(lib, parts, x[:m].contiguous(), K, bias)
+            assert torch.equal(part, full[:m]), (name, m)
+        single = torch.cat([matmul(lib, parts, x[i:i + 1].contiguous(), K, bias) for i in range(32)])
+        assert torch.equal(single, full), name
+        results.append((name, full))
+    for name, y in results[1:]:
+        assert torch.equal(y, results[0][1]), (name, results[0][0])
+
+
+def test_permuted_parts_land_in_their_columns():
+    K = 256
+    a, b = random_blocks(T.Q4_K, 8, K, seed=1), random_blocks(T.Q8_0, 4, K, seed=2)
+    perm = np.array([3, 1, 0, 2, 7, 6, 4, 5], dtype=np.int32)
+    x = torch.randn(3, K)
+    y = GGMLLinear([Part(int(T.Q4_K), a, perm), Part(int(T.Q8_0), b)], K)(x)
+    plain = GGMLLinear([Part(int(T.Q4_K), a), Part(int(T.Q8_0), b)], K)(x)
+    assert torch.equal(y[:, perm], plain[:, :8]) and torch.equal(y[:, 8:], plain[:, 8:])
+
+
+def test_long_passes_multiply_the_same_weights():
+    """Prefill (more than 32 rows) may take bf16 GEMMs: the result stays close to the integer kernel's."""
+    K = 512
+    lin = GGMLLinear([Part(int(T.Q4_K), random_blocks(T.Q4_K, 64, K, seed=5))], K)
+    x = torch.randn(40, K)
+    ref = x.double() @ lin.dequantized().double().T
+    y = lin(x).double()
+    assert ((y - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_float_weights_quantize_on_load_with_the_gguf_reference():
+    w = torch.randn(16, 256)
+    lin = GGMLLinear.from_float(w, None, "q8_0")
+    assert np.array_equal(lin.parts[0].data, quants.quantize(w.numpy(), T.Q8_0))
+    assert (lin.dequantized() - w).abs().max() < 0.02
+
+
+def test_bad_sizes_and_types_are_clear_errors():
+    with pytest.raises(SpeculantError, match="whole number"):
+        row_bytes(int(T.Q4_K), 100)
+    with pytest.raises(SpeculantError, match="does not hold rows"):
+        GGMLLinear([Part(int(T.Q8_0), np.zeros((2, 30), np.uint8))], 32)
+    from speculant.models.formats.ggml import check_type
+
+    with pytest.raises(SpeculantError, match="blk.0.attn_q.weight is stored as IQ2_XXS"):
+        check_type(int(T.IQ2_XXS), "blk.0.attn_q.weight")
+    with pytest.raises(SpeculantError, match="unknown GGML type id 999"):
+        check_type(999, "x")
+    emb = GGMLEmbedding(Part(int(T.Q8_0), random_blocks(T.Q8_0, 4, 32, seed=1)), 32)
+    with pytest.raises(SpeculantError, match="out of range"):
+        emb(torch.tensor([4]))
