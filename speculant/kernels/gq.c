@@ -101,7 +101,11 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+#if defined(__F16C__)
+static inline float rdh(const uint8_t *p) { return _cvtsh_ss(rd16(p)); } /* exact, as f16_to_f32 */
+#else
 static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+#endif
 
 /* ---------------------------------------------------------------- canonical decoded rows */
 
@@ -282,6 +286,38 @@ static inline void decode_q6k_avx2(const uint8_t *b, drow *r, int64_t sb) {
 }
 #endif
 
+#if GQ_AVX2
+/* 32-blocks with AVX2: nibbles (and Q5's fifth bits) to bytes */
+static inline void decode_32_avx2(int t, const uint8_t *b, drow *r, int64_t i) {
+    uint8_t *u = r->u + i * 32;
+    const float d = rdh(b);
+    __m256i v;
+    float o;
+    if (t == Q8_0) {
+        v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+        o = -128.0f * d;
+    } else {
+        const int off = t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + off)), lo = _mm_set1_epi8(0x0f);
+        v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+        if (t == Q5_0 || t == Q5_1) {
+            uint32_t qh;
+            memcpy(&qh, b + off - 4, 4);
+            /* byte l of the vector <- bit l of qh: spread qh's bytes, test one bit per byte */
+            const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+            const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+            const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+            v = _mm256_or_si256(v, _mm256_and_si256(on, _mm256_set1_epi8(0x10)));
+        }
+        o = t == Q4_0 ? -8.0f * d : t == Q5_0 ? -16.0f * d : rdh(b + 2);
+    }
+    _mm256_storeu_si256((__m256i *)u, v);
+    r->d[i] = d;
+    r->dm[i] = o;
+}
+#endif
+
 static void decode_row(int t, const uint8_t *w, int64_t K, drow *r) {
     const int bb = block_bytes(t);
     if (family(t) == FAM_K) {
@@ -295,7 +331,11 @@ static void decode_row(int t, const uint8_t *w, int64_t K, drow *r) {
             decode_k(t, b, r, sb);
         }
     } else if (family(t) == FAM_32) {
+#if GQ_AVX2
+        for (int64_t i = 0; i < K / 32; i++) decode_32_avx2(t, w + i * bb, r, i);
+#else
         for (int64_t i = 0; i < K / 32; i++) decode_32(t, w + i * bb, r, i);
+#endif
     } else if (t == F16) {
         for (int64_t e = 0; e < K; e++) r->f[e] = f16_to_f32(rd16(w + 2 * e));
     } else if (t == BF16) {
