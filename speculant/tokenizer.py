@@ -4,7 +4,7 @@ Concept: a model's tokenizer is rebuilt as a `tokenizers.Tokenizer` either from 
 embeds (llama.cpp's `tokenizer.ggml.*` keys: vocabulary, merges, token types, special ids and the
 pre-tokenizer name) or from a Hugging Face folder (`tokenizer.json` + `tokenizer_config.json`). On top
 of it, `Tokenizer` knows the model's BOS policy, its stop tokens (`eos_ids`) and its chat template,
-which is rendered in Jinja's immutable sandbox exactly as transformers renders it. Generated ids are
+which is rendered as transformers renders it, in a locked-down sandbox (`chat_template.py`). Generated ids are
 turned into text with an `IncrementalDetokenizer`, which decodes only a short window of recent
 tokens and never emits half of a multi-byte character.
 """
@@ -14,20 +14,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2 import nodes
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from speculant.chat_template import ChatTemplate
 from speculant.errors import SpeculantError
 
 # Pre-tokenizer split patterns, as in the models' own tokenizer.json files.
@@ -92,7 +87,7 @@ class Tokenizer:
         self.add_bos = bool(add_bos and bos_id is not None)
         self.chat_template = chat_template or None
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        self._template: jinja2.Template | None = None
+        self._template: ChatTemplate | None = None
 
     @classmethod
     def from_gguf(cls, fields: Mapping[str, object]) -> Tokenizer:
@@ -192,7 +187,7 @@ class Tokenizer:
                                  "pass a plain prompt instead or use a chat/instruct model")
         try:
             if self._template is None:
-                self._template = _chat_environment().from_string(self.chat_template)
+                self._template = ChatTemplate(self.chat_template)
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self._token(self.bos_id), eos_token=self._token(self.eos_id))
@@ -200,62 +195,6 @@ class Tokenizer:
                 RecursionError) as e:
             raise SpeculantError(f"the model's chat template failed: {type(e).__name__}: {e}; "
                                  "check the messages (roles/content) or use a plain prompt") from e
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # transformers' filter: plain json.dumps, no HTML escaping (Jinja's own tojson escapes <, >, &, ').
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _Namespace(Namespace):
-    """`namespace()` that refuses underscore-prefixed attributes (as transformers' sandbox does)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as Namespace
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"chat templates cannot set namespace attribute {name!r}")
-
-
-class _Generation(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) as a no-op."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return str(caller())
-
-
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
-                       dict=lambda *a, **k: dict(*a, **k))
-    return env
 
 
 # --------------------------------------------------------------------------------- builders
