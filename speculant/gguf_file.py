@@ -31,6 +31,12 @@ _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_NESTING = 8  # arrays of arrays: real files have none, llama.cpp reads any; deeper is damage
 _MIN_SIZE = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}  # bytes of the smallest value (else its scalar)
+# Bounds on what a header may make us decode. The data region after a damaged count reads as
+# plausible zero-length strings, so "fits in the file" alone would let a 1 GB file decode into
+# 134 million Python objects. Real headers hold ~0.6 M array items (Qwen2.5: 151,936 tokens, token
+# types and 151,387 merges) and no string over a few hundred kB (chat templates).
+_MAX_ITEMS = 1 << 23
+_MAX_STRING = 16 << 20
 _SCALARS = {  # value type -> struct format (little-endian)
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
@@ -60,6 +66,7 @@ class _Cursor:
 
     def __init__(self, buf: memoryview) -> None:
         self.buf, self.pos = buf, 0
+        self.items_left = _MAX_ITEMS  # array items still allowed in this header
 
     def unpack(self, fmt: str) -> object:
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
@@ -75,6 +82,8 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.count("string byte", 1)
+        if n > _MAX_STRING:
+            raise ValueError(f"a {n:,}-byte string (more than {_MAX_STRING:,} bytes)")
         s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", "replace")
         self.pos += n
         return s
@@ -89,6 +98,9 @@ class _Cursor:
             raise ValueError(f"arrays nested more than {_MAX_NESTING} deep")
         etype = GGUFValueType(self.unpack("<I"))
         count = self.count("array", _MIN_SIZE.get(etype) or struct.calcsize(_SCALARS[etype]))
+        self.items_left -= count
+        if self.items_left < 0:
+            raise ValueError(f"the metadata arrays hold more than {_MAX_ITEMS:,} items in all")
         if etype in _NUMPY:  # numbers in one numpy read
             arr = np.frombuffer(self.buf, dtype=_NUMPY[etype], count=count, offset=self.pos)
             self.pos += arr.nbytes
@@ -97,6 +109,8 @@ class _Cursor:
             out, buf, pos, unpack = [], self.buf, self.pos, struct.unpack_from
             for _ in range(count):
                 (n,) = unpack("<Q", buf, pos)
+                if n > _MAX_STRING:
+                    raise ValueError(f"a {n:,}-byte string in an array (more than {_MAX_STRING:,} bytes)")
                 out.append(bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", "replace"))
                 pos += 8 + n
             if pos > len(buf):

@@ -97,20 +97,27 @@ class Tokenizer:
         if not isinstance(tokens, list) or not tokens:
             raise SpeculantError("this GGUF file has no tokenizer.ggml.tokens, so it embeds no tokenizer; "
                                  "use a GGUF converted with its tokenizer or the model's HF folder")
+        if not all(isinstance(t, str) for t in tokens):
+            raise SpeculantError("this GGUF's tokenizer.ggml.tokens is not a list of strings: the file is damaged")
         raw_types = fields.get("tokenizer.ggml.token_type")
-        types = [int(t) for t in raw_types] if isinstance(raw_types, list) else []
+        types = [t if isinstance(t, int) else 1 for t in raw_types] if isinstance(raw_types, list) else []
         types += [1] * (len(tokens) - len(types))  # missing types: normal tokens
-        if kind == "gpt2":
-            backend = _byte_level_bpe(fields, tokens)
-        elif kind == "llama":
-            backend = _sentencepiece_bpe(fields, tokens)
-        else:
+        if kind not in ("gpt2", "llama"):
             raise SpeculantError(f"tokenizer model {kind!r} in this GGUF is not supported; supported: "
                                  "'gpt2' (byte-level BPE) and 'llama' (SentencePiece). Use the HF folder instead")
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == _CONTROL])
+        try:
+            backend = _byte_level_bpe(fields, tokens) if kind == "gpt2" else _sentencepiece_bpe(fields, tokens)
+            backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                        for t, ty in zip(tokens, types) if ty == _CONTROL])
+        except SpeculantError:
+            raise
+        except BaseException as e:  # the tokenizers library's errors (and Rust panics, BaseExceptions)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise SpeculantError(f"this GGUF's tokenizer metadata is inconsistent ({type(e).__name__}: "
+                                 f"{str(e)[:200]}): the file is damaged; download or convert it again") from None
 
         def token_id(key: str) -> int | None:
             value = fields.get(f"tokenizer.ggml.{key}")
@@ -203,7 +210,7 @@ def _merges(fields: Mapping[str, object]) -> list[tuple[str, str]]:
     if not isinstance(merges, list):
         raise SpeculantError("this GGUF's byte-level BPE tokenizer has no tokenizer.ggml.merges; "
                              "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
-    pairs = [m.split(" ", 1) for m in merges]
+    pairs = [m.split(" ", 1) for m in merges if isinstance(m, str)]
     return [(p[0], p[1]) for p in pairs if len(p) == 2]
 
 
