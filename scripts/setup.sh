@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install speculant with the CPU build of torch (pinned first, so that the
-# package's torch>=2.4 requirement is already met and no multi-GB CUDA build is pulled).
+# package's torch>=2.13 requirement is already met and no multi-GB CUDA build is pulled).
 # GPU users: install the torch build you want first, then `pip install -e .`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -204,3 +204,14 @@ def test_prompt_id_in_padding_range_is_a_clear_error(padded_pair, method):
         e.generate([1, 40], GenerationConfig(max_new_tokens=4))
     with pytest.raises(SpeculantError, match=r"prompt token id -1 is out of range"):
         e.generate([-1, 2], GenerationConfig(max_new_tokens=4))
+
+
+# ------------------------------------------------------------------------------------------- torch bound
+def test_torch_lower_bound_is_the_tested_version():
+    """pyproject's torch bound is the version the suite runs on (setup.sh's pin), and this torch meets it."""
+    root = Path(__file__).resolve().parent.parent
+    bound = re.search(r'"torch>=([\d.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    pin = re.search(r'torch==\$\{SPECULANT_TORCH:-([\d.]+)\}', (root / "scripts" / "setup.sh").read_text()).group(1)
+    assert tuple(map(int, bound.split("."))) == tuple(map(int, pin.split(".")))[: len(bound.split("."))]
+    installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    assert installed >= tuple(map(int, bound.split(".")))[:2]
