@@ -139,7 +139,11 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise SpeculantError(f"{folder} has no tokenizer.json; point at a Hugging Face model folder "
                                  "saved with a fast tokenizer, or use a GGUF file")
-        backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises plain Exceptions for bad files
+            raise SpeculantError(f"cannot read {folder / 'tokenizer.json'}: {str(e)[:200]}; the file is damaged "
+                                 "or not a fast-tokenizer file: save the tokenizer again with transformers") from None
         config, generation = _read_json(folder / "tokenizer_config.json"), _read_json(folder / "generation_config.json")
 
         def special_id(name: str) -> int | None:
@@ -158,7 +162,8 @@ class Tokenizer:
             add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos]
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(backend, bos_id=bos, eos_id=eos, eos_ids=frozenset(stops), add_bos=bool(add_bos),

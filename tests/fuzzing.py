@@ -297,7 +297,68 @@ def _use_tokenizer(tok) -> None:
         tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
 
 
-TARGETS = {"gguf": (load_seeds, gguf_target), "gguf-config": (load_seeds, gguf_config_target)}
+def json_seeds() -> list[dict[str, str]]:
+    """HF tokenizer folders (tokenizer.json, tokenizer_config.json) rebuilt from the GGUF seeds."""
+    from speculant.tokenizer import Tokenizer
+
+    out = []
+    for seed in load_seeds():
+        fields = {k: v for k, _, _, v in seed.kvs}
+        tok = Tokenizer.from_gguf(fields)
+        config = {"bos_token": tok._token(tok.bos_id) or None, "eos_token": tok._token(tok.eos_id) or None,
+                  "add_bos_token": tok.add_bos, "chat_template": tok.chat_template}
+        out.append({"tokenizer.json": tok._backend.to_str(), "tokenizer_config.json": json.dumps(config)})
+    return out
+
+
+def _mutate_json(value: object, rng: random.Random, depth: int = 0) -> object:
+    """One random change somewhere in a JSON tree."""
+    if isinstance(value, dict) and value and (depth < 2 or rng.random() < 0.7):
+        key = rng.choice(list(value))
+        if rng.random() < 0.15:
+            return {k: v for k, v in value.items() if k != key}
+        return {**value, key: _mutate_json(value[key], rng, depth + 1)}
+    if isinstance(value, list) and value and rng.random() < 0.8:
+        i = rng.randrange(len(value))
+        return value[:i] + [_mutate_json(value[i], rng, depth + 1)] + value[i + 1 :]
+    return rng.choice([None, True, 0, -1, 2**31, 2**63, 10**30, 1.5, float("nan") if rng.random() < 0.1 else 0.0,
+                       "", "x", "\ufffd" * 3, [], {}, [[[[[]]]]], {"a": {"b": None}}, list(range(5)),
+                       [2**40, "x"], "<|im_end|>", {"content": 7}])
+
+
+def json_target(seeds: list[dict[str, str]], i: int, folder: Path) -> str:
+    """A Hugging Face tokenizer folder with a damaged tokenizer.json or tokenizer_config.json."""
+    from speculant.errors import SpeculantError
+    from speculant.tokenizer import Tokenizer
+
+    rng = random.Random(i)
+    files = dict(seeds[i % len(seeds)])
+    name = rng.choice(sorted(files))
+    text = files[name]
+    if rng.random() < 0.3:  # bytes: truncated or flipped
+        data = bytearray(text.encode())
+        if rng.random() < 0.5:
+            data = data[: rng.randrange(len(data))]
+        else:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        files[name] = data.decode("utf-8", "replace")
+    else:
+        tree = json.loads(text)
+        for _ in range(rng.randint(1, 3)):
+            tree = _mutate_json(tree, rng)
+        files[name] = json.dumps(tree)
+    for fname, content in files.items():
+        (folder / fname).write_text(content, encoding="utf-8", errors="surrogatepass")
+    try:
+        _use_tokenizer(Tokenizer.from_hf_dir(folder))
+    except SpeculantError:
+        return "error"
+    return "ok"
+
+
+TARGETS = {"gguf": (load_seeds, gguf_target), "gguf-config": (load_seeds, gguf_config_target),
+           "hf-tokenizer": (json_seeds, json_target)}
 
 
 # ------------------------------------------------------------------------------------------- runner

@@ -1,4 +1,5 @@
-"""Fuzzing: damaged GGUF headers (from the real files' headers) end in a SpeculantError or a correct load.
+"""Fuzzing: damaged GGUF headers (from the real files' headers) and HF tokenizer files end in a
+SpeculantError or a correct load.
 
 CI runs a fast subset; the full run is the same test with more cases:
 
@@ -36,6 +37,17 @@ def test_gguf_header_fuzz():
     assert report.cases == CASES
     # Both ends are reached: damaged headers are refused, and intact or harmlessly changed ones load.
     assert report.outcomes.get("error", 0) > CASES // 4 and report.outcomes.get("ok", 0) > CASES // 20
+
+
+@pytest.mark.real
+def test_hf_tokenizer_json_fuzz():
+    """Damaged tokenizer.json / tokenizer_config.json (JSON-tree edits, truncations, bit flips) of
+    tokenizers rebuilt from the real GGUF files."""
+    n = max(200, CASES // 3)
+    report = fuzzing.run("hf-tokenizer", range(n), workers=WORKERS)
+    print("\n" + fuzzing.summary("hf-tokenizer", report))
+    assert report.bugs == [] and report.hangs == [] and report.crashes == [], report.bugs[:5]
+    assert report.cases == n and report.outcomes.get("error", 0) > n // 4 and report.outcomes.get("ok", 0) > n // 10
 
 
 @pytest.mark.real
