@@ -1,7 +1,7 @@
 """torch.compile on CPU, measured: a decode step, eager vs torch.compile(model, dynamic=True), in one process.
 
 Usage: .venv/bin/python scripts/torch_compile_check.py MODEL DTYPE   (e.g. smollm2-135m-instruct float32)
-The int4 kernels are ctypes calls, which dynamo cannot trace: it breaks the graph at each of them.
+The block-format kernels are ctypes calls, which dynamo cannot trace: it breaks the graph at each of them.
 """
 import sys
 import time

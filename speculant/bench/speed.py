@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
@@ -110,6 +112,7 @@ class Fidelity:
     positions: int
     max_abs_logit_diff: float
     top1_agreement: float  # fraction of positions whose argmax agrees
+    mean_kl: float  # mean KL(float32 || format) over positions, in nats
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -194,10 +197,28 @@ def cost_curve(model: Transformer, ids: Sequence[int], ks: Sequence[int] = KS, r
     return {k: statistics.median(v) * 1000 for k, v in samples.items()}
 
 
+FIDELITY_PASS = 16  # tokens per forward when scoring the fidelity text: the decode/verify path
+
+
 def text_logits(model: Transformer, ids: Sequence[int]) -> Tensor:
-    """Logits [T, V] at every position of `ids` (one forward)."""
+    """Logits [T, V] at every position of `ids`, scored in passes of FIDELITY_PASS tokens: the short-pass
+    route that decoding and verification take (a prompt's prefill may take another)."""
     cache = model.new_cache(len(ids))
-    return model(torch.tensor(list(ids), device=model.device), cache).logits.float().cpu()
+    t = torch.tensor(list(ids), device=model.device)
+    return torch.cat([model(t[i:i + FIDELITY_PASS], cache).logits.float().cpu()
+                      for i in range(0, len(ids), FIDELITY_PASS)])
+
+
+def fidelity_text() -> str:
+    """Held-out text for fidelity (no benchmark prompt): Python source and English prose from the standard
+    library of the Python running this (textwrap.py and the documentation topics of pydoc_data)."""
+    import textwrap
+
+    from pydoc_data import topics
+
+    code = Path(textwrap.__file__).read_text()[:5000]
+    prose = topics.topics["assignment"][:5000]
+    return code + "\n\n" + prose
 
 
 def compare_logits(model: str, weights: str, reference: Tensor, other: Tensor) -> Fidelity:
@@ -205,7 +226,9 @@ def compare_logits(model: str, weights: str, reference: Tensor, other: Tensor) -
         raise SpeculantError(f"logit shapes differ: {tuple(reference.shape)} vs {tuple(other.shape)}")
     diff = float((reference - other).abs().max())
     agree = float((reference.argmax(-1) == other.argmax(-1)).float().mean())
-    return Fidelity(model, weights, reference.shape[0], diff, agree)
+    p, q = reference.double().log_softmax(-1), other.double().log_softmax(-1)
+    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    return Fidelity(model, weights, reference.shape[0], diff, agree, kl)
 
 
 def measure_model(model: Transformer, name: str, weights: str, ids: Sequence[int], cfg: SpeedConfig,
