@@ -184,7 +184,9 @@ def _semantic(seed: Seed, rng: random.Random) -> None:
     elif choice == 5:  # a hostile or broken chat template
         tpl = next((k for k in seed.kvs if k[0] == "tokenizer.chat_template"), None)
         if tpl is not None:
-            tpl[3] = rng.choice(HOSTILE_TEMPLATES) if rng.random() < 0.7 else tpl[3][: rng.randrange(len(tpl[3]))]
+            text = str(tpl[3])  # (an earlier mutation may have made it a number)
+            tpl[1], tpl[2] = T.STRING, None
+            tpl[3] = rng.choice(HOSTILE_TEMPLATES) if rng.random() < 0.7 else text[: rng.randrange(len(text) + 1)]
     elif choice == 6 and seed.tensors:  # tensor shape/type/offset edits
         t = rng.choice(seed.tensors)
         part = rng.randrange(3)
