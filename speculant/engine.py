@@ -24,6 +24,7 @@ from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_he
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
+from .prefix import KeptPrefix, PromptCache
 from .runtime import configure_threads
 from .sampling import SamplingConfig, probs, sample, top_token
 from .stats import Stats
@@ -102,6 +103,10 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
 class Chunk:
     text: str
     token_ids: list[int]
+    # The first `drafted` of token_ids were the drafter's, accepted by the target; the rest the target's
+    # own. `drafted_chars` leading characters of `text` came while emitting those (a chat page colours them).
+    drafted: int = 0
+    drafted_chars: int = 0
 
 
 @dataclass(slots=True)
@@ -133,6 +138,20 @@ class Engine:
             self._draft_cost = ((draft.model.weight_bytes_per_token() - draft.model.lm_head.weight_bytes()
                                  + head.weight_bytes()) / target.model.weight_bytes_per_token())
         self.tokenizer = target.tokenizer
+        self._specials = self.tokenizer.special_ids()  # where prefill passes start (prefix.pass_starts)
+
+    def prompt_cache(self, reuse: bool = True) -> PromptCache:
+        """A prompt cache for a conversation: pass it to every `stream()` of it (one at a time).
+
+        With it, a prompt that extends an earlier one prefills only what follows their shared prefix;
+        the output is the same as without it (prefix.py says why). `reuse=False` keeps the caches
+        allocated but prefills every prompt in full.
+        """
+        draft = None
+        if self.method.name in MODEL_METHODS:
+            assert self.draft is not None
+            draft = KeptPrefix(self.draft.model, self._specials, reuse)
+        return PromptCache(KeptPrefix(self.target.model, self._specials, reuse), draft)
 
     def encode_prompt(self, prompt: str | list[int], *, chat: bool = False, system: str | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -166,7 +185,7 @@ class Engine:
             raise SpeculantError(f"prompt token id {bad} is not a token: the tokenizer has {known} (0..{known - 1}); "
                                  f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
-    def _drafter(self, sampling: SamplingConfig, max_len: int) -> Drafter | None:
+    def _drafter(self, sampling: SamplingConfig, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
         m = self.method
         if m.name == "lookup":
             return LookupDrafter(m.lookup, self.target.model.device)
@@ -174,7 +193,7 @@ class Engine:
             assert self.draft is not None
             dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)
             model = DraftModelDrafter(self.draft.model, sampling, dm, max_len,
-                                      self.target.config.vocab_size, self._draft_head)
+                                      self.target.config.vocab_size, self._draft_head, kept)
             if m.name == "draft":
                 return model
             return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model,
@@ -188,7 +207,11 @@ class Engine:
         raise AssertionError("stream ended without Done")
 
     def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None, *, chat: bool = False,
-               system: str | None = None) -> Iterator[Chunk | Done]:
+               system: str | None = None, cache: PromptCache | None = None) -> Iterator[Chunk | Done]:
+        """Generate from `prompt`; `cache` (from `prompt_cache()`) reuses an earlier prompt's prefill.
+
+        Closing the iterator early (a client that left) stops the generation at that round.
+        """
         gen = gen or GenerationConfig()
         ids = self.encode_prompt(prompt, chat=chat, system=system)
         model = self.target.model
@@ -196,9 +219,10 @@ class Engine:
         device = model.device
         k_max = self.method.draft_length.max_k if self.method.name != "ar" else 0
         max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
-        cache = model.new_cache(max_len)
+        kept = cache or self.prompt_cache(reuse=False)
+        cache = kept.target.cache_for(max_len)
         generator = None if sampling.greedy else sampling.generator(device)
-        drafter = self._drafter(sampling, max_len)
+        drafter = self._drafter(sampling, max_len, kept.draft)
         policy = DraftLength(self.method.draft_length)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
@@ -207,17 +231,21 @@ class Engine:
         stats = Stats(method=self.method.name, prompt_tokens=len(ids))
 
         t0 = time.perf_counter()
-        logits = model(torch.tensor(ids, device=device), cache, logit_rows=slice(-1, None)).logits  # [1, V]
+        pre = kept.target.prefill(ids, max_len, logits=True)
+        logits = pre.logits  # [1, V]
         first = int(top_token(logits[0]) if sampling.greedy else sample(probs(logits, sampling), generator))
-        if drafter is not None:
-            drafter.start(ids)
         stats.target_forwards = 1
+        stats.cached_prompt_tokens = pre.reused
         stats.prefill_seconds = time.perf_counter() - t0
+        yield from out.push([first])  # before the drafter's prefill: the time to the first token is the target's
+        t_draft = time.perf_counter()
+        if drafter is not None and not out.finished:
+            drafter.start(ids)
         t_decode = time.perf_counter()
-        yield from out.push([first])
+        stats.prefill_seconds += t_decode - t_draft
         pending = first
         while not out.finished:
-            room = cache.max_len - cache.length - 1  # the forward below writes 1 + k slots
+            room = max_len - cache.length - 1  # the forward below writes 1 + k slots
             if room < 0:
                 out.finish("length")
                 break
@@ -243,7 +271,7 @@ class Engine:
             stats.draft_seconds += tb - ta
             stats.target_seconds += tc - tb
             stats.record_round(kd, n)
-            yield from out.push(new)
+            yield from out.push(new, drafted=n)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
         stats.generated_tokens = out.count
@@ -273,10 +301,13 @@ class _Output:
     def finish(self, reason: str) -> None:
         self.finished, self.reason = True, reason
 
-    def push(self, tokens: list[int]) -> Iterator[Chunk]:
+    def push(self, tokens: list[int], drafted: int = 0) -> Iterator[Chunk]:
         emitted: list[int] = []
         piece = ""
-        for t in tokens:
+        drafted_chars = None
+        for i, t in enumerate(tokens):
+            if i == drafted:
+                drafted_chars = len(piece)
             if t in self.stops:
                 self.finish("stop")
                 break
@@ -297,7 +328,8 @@ class _Output:
                 break
         if piece or emitted:
             self.text += piece
-            yield Chunk(piece, emitted)
+            n = min(drafted, len(emitted))
+            yield Chunk(piece, emitted, n, len(piece) if drafted_chars is None else drafted_chars)
 
     def _scan(self, piece: str) -> tuple[str, bool]:
         """Return the text safe to emit and whether a stop string was hit (text cut before it)."""

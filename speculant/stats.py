@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 class Stats:
     method: str = "ar"
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, reused from a prompt cache (not prefilled)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0

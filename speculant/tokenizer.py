@@ -179,6 +179,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens, BOS and EOS: chat templates delimit messages with them."""
+        ids = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        return frozenset(ids | self.eos_ids | ({self.bos_id} if self.bos_id is not None else set()))
+
     def token_strings(self) -> list[str]:
         """Raw vocabulary strings indexed by id ('' for unused ids)."""
         strings = [""] * self.vocab_size

@@ -18,8 +18,11 @@ import torch
 from ..errors import SpeculantError
 from ..models.formats import QLinear
 from ..models.transformer import Transformer
+from ..prefix import KeptPrefix
 from ..sampling import SamplingConfig, probs, sample, top_token
 from .base import Draft
+
+CONTEXT_STEP = 64  # the draft's prompt window (DraftModelConfig.context) starts at multiples of this
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,7 @@ class DraftModelDrafter:
     name = "draft"
 
     def __init__(self, model: Transformer, sampling: SamplingConfig, cfg: DraftModelConfig, max_len: int,
-                 target_vocab: int, head: QLinear | None = None) -> None:
+                 target_vocab: int, head: QLinear | None = None, kept: KeptPrefix | None = None) -> None:
         self.model = model
         self.head = head
         # Vocabularies may differ by padding rows only (checked up front): the draft never proposes
@@ -78,17 +81,21 @@ class DraftModelDrafter:
         self.rows = model.cfg.vocab_size  # ids the draft can embed
         self.sampling = sampling
         self.cfg = cfg
-        self.cache = model.new_cache(max_len)
+        # The prompt cache of a conversation (its prefill reused across generations), or a fresh one.
+        self.kept = kept if kept is not None else KeptPrefix(model, frozenset(), reuse=False)
+        self.max_len = max_len
+        self.cache = self.kept.cache_for(max_len)
         self.committed = 0  # cache slots holding committed context
         self.unfed: list[int] = []  # committed tokens not yet in the cache (at most the last accepted draft)
         self.forwards = 0  # draft forwards so far (hybrid weighs its rounds by them)
 
     def start(self, prompt: list[int]) -> None:
-        if self.cfg.context:
-            prompt = prompt[-self.cfg.context :]
-        self.cache.rollback(0)
-        if len(prompt) > 1:
-            self.model(self._ids(prompt[:-1]), self.cache, logit_rows=slice(0, 0))
+        if self.cfg.context and len(prompt) > self.cfg.context:
+            # The last `context` to `context + CONTEXT_STEP - 1` tokens: the window starts at a multiple
+            # of CONTEXT_STEP, so a conversation that goes on keeps its start (and its prompt cache)
+            # for a while, and the window is a function of the prompt alone (seeded runs repeat).
+            prompt = prompt[(len(prompt) - self.cfg.context) // CONTEXT_STEP * CONTEXT_STEP :]
+        self.kept.prefill(prompt[:-1], self.max_len, logits=False, rows=self.rows)
         self.committed = self.cache.length
         self.unfed = prompt[-1:]
 
@@ -100,7 +107,7 @@ class DraftModelDrafter:
         greedy = self.sampling.greedy
         threshold = self.cfg.min_confidence
         log_threshold = math.log(threshold) if threshold > 0 else -math.inf
-        room = self.cache.max_len - self.cache.length - len(self.unfed) - 1
+        room = self.max_len - self.cache.length - len(self.unfed) - 1
         k = max(0, min(k, room))
         guess = list(guess[: max(0, k - 1)])  # the first forward leaves room for one token of its own
         feed = self._ids(self.unfed + [pending] + guess)

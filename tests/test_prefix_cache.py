@@ -1,0 +1,158 @@
+"""The prompt cache: a conversation that goes on reuses its prefill, and the output does not change."""
+
+import pytest
+
+from conftest import tiny_model
+from speculant.engine import Engine, GenerationConfig, MethodConfig
+from speculant.methods.base import DraftLengthConfig
+from speculant.methods.draft_model import DraftModelConfig
+from speculant.prefix import PASS_MAX, KeptPrefix, common_prefix, pass_starts
+from speculant.sampling import SamplingConfig
+
+SEP = 7  # the tiny tokenizer's EOS: a special token, so prefill passes start at it (as at chat messages)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(32, seed=1, logit_scale=3.0, eos=SEP, context=512)
+    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1, eos=SEP, context=512)
+    return target, draft
+
+
+def engines(target, draft):
+    dl = DraftLengthConfig(3, "heuristic", 6)
+    return {
+        "ar": Engine(target),
+        "lookup": Engine(target, method=MethodConfig("lookup", dl)),
+        "draft": Engine(target, draft, MethodConfig("draft", dl)),
+        "hybrid": Engine(target, draft, MethodConfig("hybrid", dl)),
+        # a draft window of 40 tokens: it moves as the conversation grows (DraftModelConfig.context)
+        "draft-window": Engine(target, draft, MethodConfig("draft", dl, draft_model=DraftModelConfig(context=40))),
+    }
+
+
+def conversation():
+    """User turns of a chat: each prompt is the previous prompt, its answer, SEP and a new message."""
+    return [[SEP, 3, 1, 4, 1, 5, 9, 2, 6] * 6, [SEP, 5, 3, 5, 8, 9] * 3, [SEP, 2, 3, 8, 4, 6, 2, 6, 4, 3] * 5,
+            [SEP, 1, 2, 3, 4, 5]]
+
+
+def test_pass_starts_depend_on_the_prefix_only():
+    ids = [1, 2, SEP, 3, 4, SEP, 5] + [6] * (PASS_MAX + 10)
+    starts = pass_starts(ids, frozenset({SEP}))
+    assert starts == [0, 2, 5, 5 + PASS_MAX]
+    for n in range(1, len(ids)):  # the starts within a prefix are the prefix's own starts
+        assert [s for s in starts if s < n] == pass_starts(ids[:n], frozenset({SEP}))
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("method", ["ar", "lookup", "draft", "hybrid", "draft-window"])
+def test_output_with_the_prompt_cache_equals_output_without(pair, method, temperature):
+    """Greedy and seeded sampling, every method: each turn of a conversation gives the same tokens with
+    the cache as a fresh engine run without it, while the cache reuses the earlier turns' prefill."""
+    target, draft = pair
+    engine = engines(target, draft)[method]
+    gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature, seed=5), ignore_eos=True)
+    cache = engine.prompt_cache()
+    prompt: list[int] = []
+    expected = 0  # the previous prompt's last pass start, or its end if the answer opens a pass
+    for turn, message in enumerate(conversation()):
+        prompt = prompt + message
+        with_cache = engine.generate(prompt, gen, cache=cache)
+        without = engine.generate(prompt, gen)
+        assert with_cache.token_ids == without.token_ids, (method, turn)
+        assert without.stats.cached_prompt_tokens == 0
+        # Reused up to the start of the previous turn's last message (its answer is prefilled again).
+        assert with_cache.stats.cached_prompt_tokens == expected
+        if cache.draft is not None and method != "draft-window":
+            assert cache.draft.tokens == prompt[:-1]  # the draft's prefill of this turn is kept too
+        expected = len(prompt) if with_cache.token_ids[0] == SEP else max(i for i, t in enumerate(prompt) if t == SEP)
+        prompt = prompt + with_cache.token_ids
+
+
+def test_repeated_prompt_reuses_all_but_the_last_pass_and_repeats_seeded_output(pair):
+    target, draft = pair
+    engine = engines(target, draft)["hybrid"]
+    cache = engine.prompt_cache()
+    prompt = sum(conversation(), [])
+    gen = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(0.9, seed=11), ignore_eos=True)
+    first = engine.generate(prompt, gen, cache=cache)
+    again = engine.generate(prompt, gen, cache=cache)
+    assert again.token_ids == first.token_ids
+    assert again.stats.cached_prompt_tokens == len(prompt) - len(conversation()[-1])
+    other = engine.generate(prompt[:20], gen, cache=cache)  # a shorter, different prompt: reuse what matches
+    assert other.token_ids == engine.generate(prompt[:20], gen).token_ids
+    assert other.stats.cached_prompt_tokens == 18  # the last pass start of prompt[:20] (its SEPs: 0, 9, 18)
+
+
+def test_kept_prefix_grows_its_cache_and_keeps_the_prefix(pair):
+    target, _ = pair
+    kept = KeptPrefix(target.model, frozenset({SEP}))
+    ids = [3, 4, SEP, 5, 6, SEP, 1]
+    kept.prefill(ids, 16, logits=False)
+    k_before = kept.cache.k[:, :, :5].clone()
+    longer = ids + [SEP] + [2] * 40
+    res = kept.prefill(longer, 64, logits=True)
+    assert kept.cache.max_len == 64 and res.reused == len(ids)  # ids ended where `longer` starts a pass
+    assert (kept.cache.k[:, :, :5] == k_before).all()
+    assert res.logits.shape == (1, 32)
+
+
+def test_interrupted_prefill_leaves_a_valid_prefix(pair):
+    """A prefill stopped between passes (Ctrl-C) keeps what it finished; the next one redoes the rest."""
+    target, _ = pair
+    engine = Engine(target)
+    cache = engine.prompt_cache()
+    prompt = sum(conversation(), [])
+    calls = 0
+    model = target.model
+    original = type(model).__call__
+
+    class Stop(Exception):
+        pass
+
+    def flaky(self, *a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise Stop
+        return original(self, *a, **kw)
+
+    gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    type(model).__call__ = flaky
+    try:
+        with pytest.raises(Stop):
+            engine.generate(prompt, gen, cache=cache)
+    finally:
+        type(model).__call__ = original
+    assert 0 < len(cache.target.tokens) < len(prompt)
+    assert engine.generate(prompt, gen, cache=cache).token_ids == engine.generate(prompt, gen).token_ids
+
+
+CHAT = ["Write a Python function that checks whether a number is prime.",
+        "Now make it faster for large numbers.",
+        "Explain the time complexity in one paragraph.",
+        "Write three unit tests for it."]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["ar", "draft", "hybrid"])
+def test_real_chat_with_the_prompt_cache_equals_output_without(real_model_cache, method):
+    """SmolLM2 in its GGUF format (whose kernels' last bits depend on how a prompt is cut into passes)
+    drafting for itself: a 4-turn chat gives the same greedy tokens with the cache as without it."""
+    model = real_model_cache("smollm2-135m-instruct", "gguf")
+    engine = Engine(model, model if method != "ar" else None, MethodConfig(method))
+    tok = engine.tokenizer
+    cache = engine.prompt_cache()
+    gen = GenerationConfig(max_new_tokens=48)
+    messages: list[dict[str, str]] = []
+    reused = []
+    for text in CHAT:
+        messages.append({"role": "user", "content": text})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special=False)
+        with_cache = engine.generate(ids, gen, cache=cache)
+        assert with_cache.token_ids == engine.generate(ids, gen).token_ids
+        reused.append(with_cache.stats.cached_prompt_tokens / len(ids))
+        messages.append({"role": "assistant", "content": with_cache.text})
+    assert reused[0] == 0 and min(reused[1:]) > 0.3, reused
