@@ -41,6 +41,13 @@ class GGUFSource:
         return f"gguf:{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
     def _config(self) -> ModelConfig:
+        try:
+            return self._read_config()
+        except (TypeError, ValueError, OverflowError) as e:  # a list or string where a number belongs, ...
+            raise SpeculantError(f"GGUF file {self.path} has malformed model metadata ({e}); "
+                                 "it is not a usable model file") from None
+
+    def _read_config(self) -> ModelConfig:
         f = self.fields
         arch = str(f.get("general.architecture", "?"))
         if arch not in ("llama", "qwen2"):
