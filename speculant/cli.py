@@ -77,6 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.add_argument("--stats", action="store_true", help="print stats after each answer")
 
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page (speculative decoding, prompt cache)")
+    _add_model_args(v)
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULANT_API_KEY, else none)")
+    v.add_argument("--model-id", default=None, help="the model name clients send (default: the --model preset/file name)")
+    v.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get 429")
+    v.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (413 above)")
+    v.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from arrival after which a generation is cut (finish_reason length)")
+    v.add_argument("--default-max-tokens", type=int, default=1024, help="max tokens for requests that set none")
+    v.add_argument("--no-prompt-cache", action="store_true", help="prefill every prompt in full")
+    v.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds a running generation may finish after SIGTERM before it is aborted")
+
     p = sub.add_parser("pull", help="download and verify default models into the cache")
     p.add_argument("names", nargs="*", help="preset names (default: all)")
     p.add_argument("--list", action="store_true", help="list presets and whether they are cached")
@@ -159,35 +175,55 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .engine import Chunk
+    from .chat import Conversation
 
     gen = _gen_config(args)
     engine = load_engine(args)
-    tok = engine.tokenizer
-    if tok.chat_template is None:
-        raise SpeculantError(f"{args.model} has no chat template; use `speculant generate` instead")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("speculant chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    chat = Conversation(engine, gen, args.system)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    print("speculant chat: empty line or Ctrl-D to quit, /reset to start over, Ctrl-C stops an answer", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             break
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or an empty line quits)", file=sys.stderr)
+            continue
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special=False)
-        reply = ""
-        for ev in engine.stream(ids, gen):
-            if isinstance(ev, Chunk):
-                reply += ev.text
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-            elif args.stats:
-                print("\n" + json.dumps(ev.stats.to_dict()), file=sys.stderr)
+        if line.strip() == "/reset":
+            chat.reset()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        turn = chat.turn(line, write)
         print()
-        messages.append({"role": "assistant", "content": reply})
+        if turn.finish == "interrupted":
+            print("(answer interrupted)", file=sys.stderr)
+        elif turn.error:
+            print(f"speculant: {turn.error}", file=sys.stderr)
+        elif turn.finish == "length" and turn.stats is not None and turn.stats.generated_tokens < args.max_tokens:
+            print("(the context is full: answer cut; /reset starts a new conversation)", file=sys.stderr)
+        if args.stats and turn.stats is not None:
+            print(json.dumps(turn.stats.to_dict()), file=sys.stderr)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .server.app import ServerConfig
+    from .server.run import serve
+
+    key = args.api_key if args.api_key is not None else os.environ.get("SPECULANT_API_KEY") or None
+    model_id = args.model_id or (Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name)
+    cfg = ServerConfig(model_id, key, args.max_queue, args.max_body, args.request_timeout, args.default_max_tokens,
+                       not args.no_prompt_cache, args.shutdown_grace)  # validated before the model loads
+    return serve(load_engine(args), cfg, args.host, args.port)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -231,7 +267,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat, "pull": cmd_pull, "cache": cmd_cache}
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "pull": cmd_pull, "cache": cmd_cache}
     try:
         if args.command == "bench":
             from .bench.cli import cmd_bench

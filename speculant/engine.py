@@ -107,6 +107,7 @@ class Chunk:
     # own. `drafted_chars` leading characters of `text` came while emitting those (a chat page colours them).
     drafted: int = 0
     drafted_chars: int = 0
+    proposed: int = 0  # drafts the target checked in the round that emitted this chunk
 
 
 @dataclass(slots=True)
@@ -271,7 +272,7 @@ class Engine:
             stats.draft_seconds += tb - ta
             stats.target_seconds += tc - tb
             stats.record_round(kd, n)
-            yield from out.push(new, drafted=n)
+            yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
         stats.generated_tokens = out.count
@@ -301,7 +302,7 @@ class _Output:
     def finish(self, reason: str) -> None:
         self.finished, self.reason = True, reason
 
-    def push(self, tokens: list[int], drafted: int = 0) -> Iterator[Chunk]:
+    def push(self, tokens: list[int], drafted: int = 0, proposed: int = 0) -> Iterator[Chunk]:
         emitted: list[int] = []
         piece = ""
         drafted_chars = None
@@ -329,7 +330,7 @@ class _Output:
         if piece or emitted:
             self.text += piece
             n = min(drafted, len(emitted))
-            yield Chunk(piece, emitted, n, len(piece) if drafted_chars is None else drafted_chars)
+            yield Chunk(piece, emitted, n, len(piece) if drafted_chars is None else drafted_chars, proposed)
 
     def _scan(self, piece: str) -> tuple[str, bool]:
         """Return the text safe to emit and whether a stop string was hit (text cut before it)."""
