@@ -141,6 +141,15 @@ class Engine:
         self.tokenizer = target.tokenizer
         self._specials = self.tokenizer.special_ids()  # where prefill passes start (prefix.pass_starts)
 
+    def with_method(self, name: str) -> "Engine":
+        """The same loaded models under another method (this engine's method options otherwise)."""
+        from dataclasses import replace
+
+        if name == self.method.name:
+            return self
+        return Engine(self.target, self.draft if name in MODEL_METHODS else None, replace(self.method, name=name),
+                      threads=self.threads)
+
     def prompt_cache(self, reuse: bool = True) -> PromptCache:
         """A prompt cache for a conversation: pass it to every `stream()` of it (one at a time).
 

@@ -69,6 +69,11 @@ def test_chat_greedy_equals_cli_generate_and_streaming(client):
     assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
     # The second identical request reused the prefill of the first (all but the last message's pass).
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    # Every method (the `method` extension field) gives the same greedy text.
+    for method in ("ar", "lookup", "draft"):
+        other = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                               extra_body={"method": method})
+        assert other.choices[0].message.content == text and other.model_extra["speculant"]["method"] == method
 
 
 def test_completion_greedy_equals_cli_generate(client):
@@ -120,6 +125,7 @@ def test_error_classes(server, client):
         "mistyped field": lambda: raw(json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": "ten"})),
         "out of range": lambda: error_of(lambda: chat(model=MODEL, messages=CHAT, temperature=3.5)),
         "unknown field": lambda: raw(json.dumps({"model": MODEL, "messages": CHAT, "mirostat": 2})),
+        "unknown method": lambda: raw(json.dumps({"model": MODEL, "messages": CHAT, "method": "medusa"})),
         "n > 1": lambda: error_of(lambda: chat(model=MODEL, messages=CHAT, n=2)),
         "tools": lambda: error_of(lambda: chat(model=MODEL, messages=CHAT, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
@@ -132,10 +138,10 @@ def test_error_classes(server, client):
         "wrong key": lambda: raw(json.dumps({"model": MODEL, "messages": CHAT}), key="nope"),
     }
     expect = {"malformed JSON": 400, "missing field": 400, "mistyped field": 400, "out of range": 400,
-              "unknown field": 400, "n > 1": 400, "tools": 400, "logprobs": 400, "prompt too long": 400,
+              "unknown field": 400, "unknown method": 400, "n > 1": 400, "tools": 400, "logprobs": 400, "prompt too long": 400,
               "prompt + max_tokens too long": 400, "unknown model": 404, "body too large": 413, "missing key": 401,
               "wrong key": 401}
-    names = {"mistyped field": "max_tokens", "out of range": "temperature", "unknown field": "mirostat", "n > 1": "n",
+    names = {"mistyped field": "max_tokens", "out of range": "temperature", "unknown field": "mirostat", "unknown method": "medusa", "n > 1": "n",
              "tools": "tools", "logprobs": "logprobs", "unknown model": "gpt-4o"}
     for case, call in cases.items():
         got = call()

@@ -60,13 +60,40 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--against", nargs="+", choices=("transformers",), default=[], help="peer engines to run too")
     m.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
 
+    v = modes.add_parser("serve", help="load test of `speculant serve` on loopback: concurrent streaming clients, "
+                                       "every response checked against the request run alone")
+    _add_model_args(v)
+    v.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
+    v.add_argument("--seconds", type=float, default=60.0, help="duration of the load")
+    v.add_argument("--max-tokens", "-n", type=int, default=96, help="largest max_tokens of the request mix")
+    v.add_argument("--json", default=None, help="also write the report to this JSON file")
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_mode == "speed":
         return _speed(args)
     if args.bench_mode == "methods":
         return _methods(args)
+    if args.bench_mode == "serve":
+        return _serve(args)
     raise SpeculantError(f"unknown bench mode {args.bench_mode!r}; use speed or methods")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from ..cli import load_engine
+    from ..server.loadtest import print_report, run_load_test
+
+    if args.clients < 1 or not args.seconds > 0 or args.max_tokens < 2:
+        raise SpeculantError("--clients must be >= 1, --seconds > 0 and --max-tokens >= 2")
+    rep = run_load_test(load_engine(args), clients=args.clients, seconds=args.seconds, max_tokens=args.max_tokens)
+    print_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dataclasses.asdict(rep), f, indent=1)
+    return 0 if rep.errors == 0 and rep.mismatches == 0 and rep.duplicate_ids == 0 else 1
 
 
 def _speed(args: argparse.Namespace) -> int:

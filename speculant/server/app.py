@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..engine import Chunk, Done, Engine, GenerationConfig
+from ..engine import METHODS, MODEL_METHODS, Chunk, Done, Engine, GenerationConfig
 from ..errors import SpeculantError
 from .metrics import Metrics
 from .responses import APIError, Reply, sse, stats_extension
@@ -57,6 +57,17 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     worker = Worker(engine, WorkerConfig(cfg.max_queue, cfg.prompt_cache))
     metrics = Metrics(lambda: worker.waiting, lambda: int(worker.running is not None))
     context = engine.target.config.context_length
+    methods = {m: None for m in METHODS if m not in MODEL_METHODS or engine.draft is not None}
+    methods[engine.method.name] = engine
+
+    def engine_for(req: CompletionRequest | ChatRequest) -> Engine:
+        name = req.method or engine.method.name
+        if name not in methods:
+            raise APIError(400, f"unknown or unavailable method '{name}'; this server offers {', '.join(methods)}",
+                           param="method", code="invalid_value")
+        if methods[name] is None:
+            methods[name] = engine.with_method(name)
+        return methods[name]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -153,10 +164,11 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         except SpeculantError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
 
-    async def answer(request: Request, endpoint: str, ids: list[int], gen: GenerationConfig, stream: bool,
-                     usage: bool, chat: bool) -> Response:
+    async def answer(request: Request, endpoint: str, req: CompletionRequest | ChatRequest, ids: list[int],
+                     gen: GenerationConfig, chat: bool) -> Response:
         arrival = time.monotonic()
-        job = Job(ids, gen, asyncio.get_running_loop(), arrival + cfg.request_timeout)
+        job = Job(ids, gen, engine_for(req), asyncio.get_running_loop(), arrival + cfg.request_timeout)
+        stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
         try:
             worker.submit(job)
         except QueueFull:
@@ -260,7 +272,8 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     async def models(request: Request) -> dict[str, object]:
         authorize(request)
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
-                                            "owned_by": "speculant", "method": engine.method.name}]}
+                                            "owned_by": "speculant", "method": engine.method.name,
+                                            "methods": list(methods)}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -273,8 +286,7 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         gen = generation(req, ids, req.max_tokens)
         ids = checked(ids, "prompt")
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await answer(request, "/v1/completions", ids, gen, req.stream, usage, chat=False)
+        return await answer(request, "/v1/completions", req, ids, gen, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -292,7 +304,6 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         ids = tok.encode(text, add_special=False)
         gen = generation(req, ids, req.limit())
         ids = checked(ids, "messages")
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await answer(request, "/v1/chat/completions", ids, gen, req.stream, usage, chat=True)
+        return await answer(request, "/v1/chat/completions", req, ids, gen, chat=True)
 
     return app

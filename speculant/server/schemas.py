@@ -42,6 +42,7 @@ class _Common(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     logprobs: Any = None
     top_logprobs: Any = None
+    method: StrictStr | None = None  # extension: ar, lookup, draft or hybrid (default: the server's --method)
     user: StrictStr | None = None  # no effect on the output
     metadata: dict[str, StrictStr] | None = None  # no effect on the output
 

@@ -3,7 +3,8 @@
 HTTP handlers submit a `Job` and read its events from an asyncio queue; the worker thread runs the
 engine and posts events back to the event loop. A job whose client left (or whose time is up) is
 stopped at the engine's next round by closing its stream, which frees the engine for the next job.
-All jobs share one prompt cache, so a chat that goes on prefills only its new turn.
+All jobs share one prompt cache (whatever their method: the keys/values do not depend on it), so a
+chat that goes on prefills only its new turn.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ Event = Chunk | Done | Stopped | Failed
 class Job:
     ids: list[int]
     gen: GenerationConfig
+    engine: Engine  # the server's engine under the request's method (the same models)
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the generation stops
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -128,7 +130,7 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         job.started = time.monotonic()
-        stream = self.engine.stream(job.ids, job.gen, cache=self.cache)
+        stream = job.engine.stream(job.ids, job.gen, cache=self.cache)
         try:
             for event in stream:
                 job.post(event)
