@@ -142,8 +142,10 @@ def test_incompatible_draft(capsys):
 @pytest.mark.real
 @pytest.mark.parametrize("method", ["ar", "lookup"])
 def test_generate_real_model_with_stats(capsys, method):
-    rc, out, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "--method", method, "--chat",
-                       "-n", "24", "--stats", "What is the capital of France?")
+    # float32: the file's Q4_1 weights with int8 activations (--dtype gguf) turn this answer's first token,
+    # a near tie (KL 0.015 nats at that position), to "L'Étoile, ..."; the dequantized file says Paris
+    rc, out, err = run(capsys, "generate", "--no-progress", "--model", SMALL, "--dtype", "float32", "--method", method,
+                       "--chat", "-n", "24", "--stats", "What is the capital of France?")
     assert rc == 0, err
     assert "Paris" in out
     stats = json.loads(err.strip().splitlines()[-1])
