@@ -66,3 +66,55 @@ def test_ctrl_c_ends_the_answer_not_the_conversation(engine):
     tok = engine.tokenizer
     ids = tok.encode(tok.apply_chat_template(chat.messages[:-1]), add_special=False)
     assert engine.generate(ids, chat.gen).text == after.reply
+
+
+@pytest.mark.real
+def test_cli_chat_survives_ctrl_c_in_a_pty():
+    """The real REPL on a pseudo-terminal: SIGINT (what Ctrl-C sends) during an answer stops that
+    answer; the next message is answered; an empty line quits with status 0."""
+    import os
+    import pty
+    import select
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "SPECULANT_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "speculant.cli", "chat", "--model", "smollm2-135m-instruct",
+                             "--no-progress", "--max-tokens", "600"], stdin=slave, stdout=slave, stderr=slave,
+                            cwd=Path(__file__).resolve().parent.parent, env=env)
+    os.close(slave)
+    seen = ""
+
+    def read_until(needle: str, timeout: float = 120.0, start: int = 0) -> int:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen[start:]:
+            assert time.monotonic() < deadline, f"no {needle!r} in {seen[-2000:]!r}"
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(master, 4096).decode(errors="replace")
+                except OSError:
+                    break
+        return seen.index(needle, start) + len(needle)
+
+    try:
+        at = read_until("> ")
+        os.write(master, b"Write a very long story about a dragon who learns to cook.\n")
+        read_until(" ", start=at + 70)  # some of the answer has streamed (past the echoed message)
+        proc.send_signal(signal.SIGINT)
+        at = read_until("(answer interrupted)")
+        at = read_until("> ", start=at)
+        assert proc.poll() is None  # the conversation goes on
+        os.write(master, b"Thanks. Now say goodbye in one short sentence.\n")
+        at = read_until("> ", start=at + 10, timeout=180)
+        os.write(master, b"\n")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
