@@ -185,7 +185,8 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         return await _whole(request, endpoint, job, reply, arrival)
 
     async def _events(job: Job, reply: Reply, arrival: float):
-        """Yield (kind, payload) until the job ends: ('chunk', Chunk) ... then ('end', (finish, ext, stats))."""
+        """('chunk', Chunk) ... then one of ('end', (finish_reason, ext)), ('stopped', (reason, ext)),
+        ('failed', APIError)."""
         ttft = None
         while True:
             ev = await job.events.get()
