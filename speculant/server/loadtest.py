@@ -169,9 +169,8 @@ async def _load(url: str, model: str, specs: list[Spec], clients: int, seconds: 
     return results, dropped
 
 
-def reference(engine: Engine, spec: Spec) -> tuple[str, int]:
-    """The request run alone through the engine, as `speculant generate [--chat]` runs it."""
-    e = engine.with_method(spec.method)
+def reference(e: Engine, spec: Spec) -> tuple[str, int]:
+    """The request run alone through the engine (under spec.method), as `speculant generate [--chat]` runs it."""
     gen = GenerationConfig(spec.max_tokens, SamplingConfig(spec.temperature, seed=spec.seed))
     if spec.chat:
         tok = e.tokenizer
@@ -226,9 +225,10 @@ def run_load_test(engine: Engine, *, clients: int = 8, seconds: float = 60.0, ma
     # the same work): the reference text, and the sequential throughput.
     refs: dict[Spec, str] = {}
     seq_tokens, seq_time = 0, 0.0
+    engines = {m: engine.with_method(m) for m in methods}  # built once, as a CLI process builds one
     for r in ok:
         t = time.perf_counter()
-        text, n = reference(engine, r.spec)
+        text, n = reference(engines[r.spec.method], r.spec)
         seq_time += time.perf_counter() - t
         seq_tokens += n
         refs.setdefault(r.spec, text)
