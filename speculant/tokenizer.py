@@ -145,13 +145,18 @@ class Tokenizer:
             raise SpeculantError(f"cannot read {folder / 'tokenizer.json'}: {str(e)[:200]}; the file is damaged "
                                  "or not a fast-tokenizer file: save the tokenizer again with transformers") from None
         config, generation = _read_json(folder / "tokenizer_config.json"), _read_json(folder / "generation_config.json")
+        # transformers 4 also wrote the special tokens to special_tokens_map.json (some folders only there)
+        special_map = _read_json(folder / "special_tokens_map.json")
 
         def special_id(name: str) -> int | None:
-            token = config.get(name)
+            token = config.get(name) if config.get(name) is not None else special_map.get(name)
             token = token.get("content") if isinstance(token, dict) else token
             return backend.token_to_id(token) if isinstance(token, str) else None
 
         bos, eos = special_id("bos_token"), special_id("eos_token")
+        if not (folder / "generation_config.json").is_file():
+            # transformers generates with the model config's eos ids when there is no generation config
+            generation = _read_json(folder / "config.json")
         gen_eos = generation.get("eos_token_id")
         gen_ids = [int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if isinstance(i, int)]
         eos = gen_ids[0] if eos is None and gen_ids else eos

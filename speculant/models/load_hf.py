@@ -1,18 +1,27 @@
-"""Weights and config from a Hugging Face model folder (config.json + *.safetensors).
+"""Weights and config from a Hugging Face model folder (config.json + safetensors, one file or sharded).
 
-Only safetensors are read (never pickle), so nothing in a model folder can execute code.
+Only safetensors are read (never pickle), so nothing in a model folder can execute code. A sharded
+folder is read through `model.safetensors.index.json` (only the files it names, so stray files such as
+Mistral's `consolidated.safetensors` or an adapter are never mixed in). Every tensor is checked up
+front: a float dtype (float32, bfloat16, float16), a shape that matches the config, and a place in the
+llama/qwen2 block; a tensor the block has no place for (an o_proj bias, q/k norms) is an error, because
+dropping it would silently change the model's output.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig
+from .hf_config import config_from_hf
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
@@ -21,69 +30,37 @@ _LAYER_NAMES = {
     "v_bias": "self_attn.v_proj.bias", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
 }
-_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+_GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+_FLOAT = {"F32", "BF16", "F16"}
+# Buffers some checkpoints carry that the model recomputes (old Llama conversions saved the rotary table).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_INDEX = "model.safetensors.index.json"
 
 
 class HFSource:
     """A model's config and float32 tensors by canonical name, from an HF safetensors folder."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
         self.path = path
-        try:
-            raw = json.loads((path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpeculantError(f"cannot read {path / 'config.json'}: {e}") from None
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise SpeculantError(f"{path} has no *.safetensors files (only safetensors weights are loaded, never pickle)")
-        self._where: dict[str, tuple[Path, object]] = {}
-        for f in files:
-            try:
-                h = safe_open(str(f), framework="pt")
-            except Exception as e:
-                raise SpeculantError(f"cannot read {f}: corrupt or truncated safetensors ({e})") from None
-            for k in h.keys():
-                self._where[k] = (f, h)
-        self.config = self._config(raw)
+        self.files = _weight_files(path)
+        self._where: dict[str, Any] = {}  # HF tensor name -> open safetensors handle
+        for f in self.files:
+            for key, handle in _open(f).items():
+                if key in self._where:
+                    raise SpeculantError(f"tensor {key} is in more than one file of {path}; keep one set of "
+                                         f"weights (or add {_INDEX})")
+                self._where[key] = handle
+        raw = _read_config(path / "config.json")
+        self.config = config_from_hf(raw, source=str(path / "config.json"), has_lm_head="lm_head.weight" in self._where)
+        self._shapes = _expected_shapes(self.config)
+        self._check_tensors()
 
     def fingerprint(self) -> str:
-        parts = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(self.path.glob("*.safetensors"))]
-        return f"hf:{self.path.resolve()}:" + ",".join(parts)
-
-    def _config(self, c: dict) -> ModelConfig:
-        archs = c.get("architectures") or []
-        arch = _ARCH.get(archs[0] if archs else "", c.get("model_type", "?"))
-        if arch not in ("llama", "qwen2"):
-            raise SpeculantError(f"unsupported architecture {archs or c.get('model_type')} in {self.path}: "
-                                 "speculant runs llama and qwen2 models")
-        rs = c.get("rope_scaling") or None
-        scaling = None
-        if rs is not None:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
-                                      int(rs["original_max_position_embeddings"]))
-            elif kind not in (None, "default"):
-                raise SpeculantError(f"unsupported rope scaling {kind!r} in {self.path / 'config.json'}")
-        n_heads = int(c["num_attention_heads"])
-        return ModelConfig(
-            arch=arch,
-            n_layers=int(c["num_hidden_layers"]),
-            dim=int(c["hidden_size"]),
-            n_heads=n_heads,
-            n_kv_heads=int(c.get("num_key_value_heads", n_heads)),
-            hidden_dim=int(c["intermediate_size"]),
-            vocab_size=int(c["vocab_size"]),
-            context_length=int(c.get("max_position_embeddings", 4096)),
-            norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-            rope_base=float(c.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            head_dim=int(c.get("head_dim") or c["hidden_size"] // n_heads),
-            qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)) or "lm_head.weight" not in self._where,
-        )
+        # The config is part of it: the conversion cache's quantized formats are calibrated through the
+        # model, so an edited config.json (e.g. a corrected rotary base) must not reuse old conversions.
+        parts = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in self.files]
+        cfg = hashlib.sha256(repr(self.config).encode()).hexdigest()[:16]
+        return f"hf:{self.path.resolve()}:{cfg}:" + ",".join(parts)
 
     def has(self, name: str) -> bool:
         return self._hf_name(name) in self._where
@@ -92,15 +69,94 @@ class HFSource:
         key = self._hf_name(name)
         if key not in self._where:
             raise SpeculantError(f"{self.path} has no tensor {key}; the model folder is incomplete")
-        return self._where[key][1].get_tensor(key).to(torch.float32)
+        return self._where[key].get_tensor(key).to(torch.float32)
+
+    def _check_tensors(self) -> None:
+        """dtype, shape and purpose of every tensor, before any is read."""
+        for key, handle in self._where.items():
+            if _IGNORED.fullmatch(key) or (key == "lm_head.weight" and self.config.tie_embeddings):
+                continue  # transformers ties the output layer to the embeddings then, whatever the file holds
+            if key not in self._shapes:
+                raise SpeculantError(
+                    f"{self.path} has tensor {key}, which a {self.config.arch} model with {self.config.n_layers} "
+                    "layers has no place for (speculant runs the plain llama/qwen2 block); ignoring it would "
+                    "change the model's output, so this checkpoint is not supported")
+            info = handle.get_slice(key)
+            dtype, shape = info.get_dtype(), tuple(info.get_shape())
+            if dtype not in _FLOAT:
+                raise SpeculantError(f"{self.path}: tensor {key} is stored as {dtype}; speculant reads float32, "
+                                     "bfloat16 and float16 weights (quantized checkpoints are not loaded)")
+            if shape != self._shapes[key]:
+                raise SpeculantError(f"{self.path}: tensor {key} has shape {shape} but config.json implies "
+                                     f"{self._shapes[key]}; config.json and the weights do not belong together")
+        missing = [k for k in self._shapes if k not in self._where
+                   and not (k == "lm_head.weight" and self.config.tie_embeddings)]
+        if missing:
+            raise SpeculantError(f"{self.path} lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]}; "
+                                 "the model folder is incomplete")
 
     @staticmethod
     def _hf_name(name: str) -> str:
-        if name == "embed":
-            return "model.embed_tokens.weight"
-        if name == "norm":
-            return "model.norm.weight"
-        if name == "lm_head":
-            return "lm_head.weight"
+        if name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[name]
         _, i, part = name.split(".")
         return f"model.layers.{i}.{_LAYER_NAMES[part]}"
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor this config's model reads."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {"attn_norm": (cfg.dim,), "ffn_norm": (cfg.dim,), "q": (q, cfg.dim), "k": (kv, cfg.dim),
+                 "v": (kv, cfg.dim), "o": (cfg.dim, q), "gate": (cfg.hidden_dim, cfg.dim),
+                 "up": (cfg.hidden_dim, cfg.dim), "down": (cfg.dim, cfg.hidden_dim)}
+    if cfg.qkv_bias:
+        per_layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    shapes = {_GLOBAL_NAMES["embed"]: (cfg.vocab_size, cfg.dim), _GLOBAL_NAMES["norm"]: (cfg.dim,),
+              _GLOBAL_NAMES["lm_head"]: (cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.n_layers):
+        shapes |= {f"model.layers.{i}.{_LAYER_NAMES[p]}": s for p, s in per_layer.items()}
+    return shapes
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model: those the shard index names, else model.safetensors,
+    else every *.safetensors in the folder."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpeculantError(f"cannot read {index}: {e}; it needs a weight_map of tensor -> file") from None
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SpeculantError(f"{path} lacks shard(s) {', '.join(missing)} named in {_INDEX}; "
+                                 "download the whole model folder")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpeculantError(f"{path} has no *.safetensors files (only safetensors weights are loaded, never pickle)")
+    return files
+
+
+def _open(f: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for every kind of damage
+        raise SpeculantError(f"cannot read {f}: corrupt or truncated safetensors ({e})") from None
+    return {k: handle for k in handle.keys()}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SpeculantError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise SpeculantError(f"{path} is not a JSON object; it is not a model config")
+    return raw
