@@ -184,12 +184,21 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, endpoint, job, reply, arrival)
 
-    async def _events(job: Job, reply: Reply, arrival: float):
+    async def _events(job: Job, reply: Reply, arrival: float, request: Request | None = None):
         """('chunk', Chunk) ... then one of ('end', (finish_reason, ext)), ('stopped', (reason, ext)),
-        ('failed', APIError)."""
+        ('failed', APIError), or ('gone', None) once `request`'s client has disconnected."""
         ttft = None
         while True:
-            ev = await job.events.get()
+            if request is None:  # streaming: a client that leaves ends the response task
+                ev = await job.events.get()
+            else:
+                try:  # cancelling a Queue.get() is safe (cancelling this generator would end it)
+                    ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        yield "gone", None
+                        return
+                    continue
             if isinstance(ev, Chunk):
                 if ttft is None:
                     ttft = time.monotonic() - arrival
@@ -232,16 +241,11 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             job.cancelled.set()  # a client that left (or a finished job: no effect) frees the engine
 
     async def _whole(request: Request, endpoint: str, job: Job, reply: Reply, arrival: float) -> Response:
-        events = _events(job, reply, arrival)
+        events = _events(job, reply, arrival, request)
         try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(anext(events), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                        return Response(status_code=499)
-                    continue
+            async for kind, payload in events:
+                if kind == "gone":
+                    return Response(status_code=499)  # nobody reads it; the finally frees the engine
                 if kind == "chunk":
                     reply.chunk(payload)
                     continue
@@ -252,6 +256,7 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                     raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
                 metrics.request(endpoint, 200)
                 return JSONResponse(reply.full(finish if kind == "end" else "length", ext))
+            raise APIError(500, "the generation ended without a result", type="server_error")
         finally:
             job.cancelled.set()
             await events.aclose()
