@@ -245,6 +245,21 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path: Path, change, 
         HFSource(folder)
 
 
+def test_tied_config_with_a_different_lm_head_is_refused(tmp_path: Path) -> None:
+    """transformers 4 would tie the head to the embeddings, 5 keeps the file's head: ambiguous, so refused;
+    a head equal to the embeddings is fine."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_tiny(tmp_path, "LlamaForCausalLM", torch.float32, tie_word_embeddings=True)
+    state = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in state
+    save_file(state | {"lm_head.weight": state["model.embed_tokens.weight"].clone()}, str(folder / "model.safetensors"))
+    assert HFSource(folder).config.tie_embeddings
+    save_file(state | {"lm_head.weight": state["model.embed_tokens.weight"] + 1}, str(folder / "model.safetensors"))
+    with pytest.raises(SpeculantError, match="tie_word_embeddings true.*differs"):
+        HFSource(folder)
+
+
 def test_duplicate_tensors_without_index_are_refused(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

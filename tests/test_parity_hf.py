@@ -5,6 +5,7 @@ Our float32 path must give the same logits (up to float rounding) and the same g
 
 import pytest
 import torch
+from parity import logit_gap, reference_greedy
 
 from speculant.engine import Engine, GenerationConfig
 from speculant.hub import resolve_model
@@ -32,15 +33,7 @@ def pair(request, real_model_cache):
 
 def test_logits_match_transformers(pair):
     name, ours, hf = pair
-    worst, agree, total = 0.0, 0, 0
-    for text in PROMPTS:
-        ids = ours.tokenizer.encode(text)
-        a = ours.model(torch.tensor(ids), ours.model.new_cache(len(ids))).logits
-        with torch.no_grad():
-            b = hf(torch.tensor([ids])).logits[0].float()
-        worst = max(worst, float((a - b).abs().max()))
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += len(ids)
+    worst, agree, total = logit_gap(ours, hf, [ours.tokenizer.encode(text) for text in PROMPTS])
     print(f"\n{name}: max |logit diff| = {worst:.2e}, top-1 agreement = {agree}/{total}")
     assert worst < 2e-3
     assert agree == total
@@ -52,12 +45,7 @@ def test_greedy_continuation_matches_transformers(pair):
     for text in PROMPTS:
         ids = ours.tokenizer.encode(text)
         done = engine.generate(ids, GenerationConfig(max_new_tokens=32, ignore_eos=True))
-        seq = list(ids)
-        with torch.no_grad():  # plain greedy loop on the reference, no cache, no logits processors
-            for _ in range(32):
-                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-        ref = seq[len(ids):]
-        assert done.token_ids == ref, (name, text)
+        assert done.token_ids == reference_greedy(hf, ids, 32), (name, text)
 
 
 def test_bench_peers_run_transformers_generate_with_each_method(real_model_cache):

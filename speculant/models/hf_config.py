@@ -59,9 +59,10 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
 
     tie = c.get("tie_word_embeddings", False)
     if not tie and not has_lm_head:
-        said = "says" if "tie_word_embeddings" in raw else "leaves out (which means false)"
-        raise SpeculantError(f"{source} {said} tie_word_embeddings, so the model has its own output layer, but "
-                             "the weights have no lm_head.weight; the folder is incomplete")
+        said = ("says tie_word_embeddings false" if "tie_word_embeddings" in raw
+                else "leaves out tie_word_embeddings (which means false)")
+        raise SpeculantError(f"{source} {said}, so the model has its own output layer, but the weights have "
+                             "no lm_head.weight; the folder is incomplete")
     return ModelConfig(
         arch="qwen2" if kind == "qwen2" else "llama",
         n_layers=n_layers, dim=dim, n_heads=n_heads,
@@ -207,5 +208,5 @@ def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int, 
         if window is not None and int(window) < context:
             raise SpeculantError(
                 f"{c.source}: layer {i} uses sliding-window attention (sliding_window {window} < context "
-                f"{context}), which speculant does not run; it runs full attention only, and a window at least "
-                "as long as max_position_embeddings is the only sliding window that equals it")
+                f"{context}), which speculant does not run: it runs full attention, which equals a sliding "
+                "window only when the window is at least max_position_embeddings long")

@@ -89,6 +89,15 @@ class HFSource:
             if shape != self._shapes[key]:
                 raise SpeculantError(f"{self.path}: tensor {key} has shape {shape} but config.json implies "
                                      f"{self._shapes[key]}; config.json and the weights do not belong together")
+        if self.config.tie_embeddings and "lm_head.weight" in self._where:
+            # A "tied" file that also holds an lm_head: transformers 4 ties it to the embeddings, 5 keeps the
+            # file's head when they differ. Equal tensors are unambiguous; different ones are refused.
+            head, embed = (self._where[k].get_tensor(k).to(torch.float32)
+                           for k in ("lm_head.weight", _GLOBAL_NAMES["embed"]))
+            if not torch.equal(head, embed):
+                raise SpeculantError(f"{self.path / 'config.json'} says tie_word_embeddings true, but the weights hold "
+                                     "an lm_head.weight that differs from the embeddings; set tie_word_embeddings to "
+                                     "false if the model has its own output layer")
         missing = [k for k in self._shapes if k not in self._where
                    and not (k == "lm_head.weight" and self.config.tie_embeddings)]
         if missing:

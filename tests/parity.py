@@ -1,0 +1,32 @@
+"""Comparisons with a transformers model (the independent reference) shared by the parity tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def logit_gap(ours, ref, id_lists: list[list[int]]) -> tuple[float, int, int]:
+    """(max |logit difference|, positions whose top-1 token agrees, positions) of our float32 model
+    (a LoadedModel) against a transformers model over whole prompts."""
+    worst, agree, total = 0.0, 0, 0
+    for ids in id_lists:
+        a = ours.model(torch.tensor(ids), ours.model.new_cache(len(ids))).logits
+        with torch.no_grad():
+            b = ref(torch.tensor([ids])).logits[0].float()
+        worst = max(worst, float((a - b).abs().max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+    return worst, agree, total
+
+
+def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from the reference's own incremental decoding (its KV cache, as its generate()
+    runs it), without logits processors or stop tokens."""
+    out, tokens = None, []
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        for _ in range(n):
+            out = ref(x, past_key_values=None if out is None else out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            x = torch.tensor([[tokens[-1]]])
+    return tokens
