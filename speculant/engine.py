@@ -26,7 +26,7 @@ from .methods.lookup import LookupConfig, LookupDrafter
 from .models import LoadedModel
 from .prefix import KeptPrefix, PromptCache
 from .runtime import configure_threads
-from .sampling import SamplingConfig, probs, sample, top_token
+from .sampling import Sampler, SamplingConfig
 from .stats import Stats
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
@@ -195,14 +195,14 @@ class Engine:
             raise SpeculantError(f"prompt token id {bad} is not a token: the tokenizer has {known} (0..{known - 1}); "
                                  f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
-    def _drafter(self, sampling: SamplingConfig, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
+    def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
         m = self.method
         if m.name == "lookup":
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name in MODEL_METHODS:
             assert self.draft is not None
             dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)
-            model = DraftModelDrafter(self.draft.model, sampling, dm, max_len,
+            model = DraftModelDrafter(self.draft.model, sampler, dm, max_len,
                                       self.target.config.vocab_size, self._draft_head, kept)
             if m.name == "draft":
                 return model
@@ -231,8 +231,10 @@ class Engine:
         max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
         kept = cache or self.prompt_cache(reuse=False)
         cache = kept.target.cache_for(max_len)
-        generator = None if sampling.greedy else sampling.generator(device)
-        drafter = self._drafter(sampling, max_len, kept.draft)
+        # target and drafter sample through one Sampler: its penalties count the same context
+        sampler = Sampler(sampling, self.target.config.vocab_size, device)
+        sampler.start(ids)
+        drafter = self._drafter(sampler, max_len, kept.draft)
         policy = DraftLength(self.method.draft_length)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
@@ -243,7 +245,8 @@ class Engine:
         t0 = time.perf_counter()
         pre = kept.target.prefill(ids, max_len, logits=True)
         logits = pre.logits  # [1, V]
-        first = int(top_token(logits[0]) if sampling.greedy else sample(probs(logits, sampling), generator))
+        first = int(sampler.pick(logits))
+        sampler.push([first])
         stats.target_forwards = 1
         stats.cached_prompt_tokens = pre.reused
         stats.prefill_seconds = time.perf_counter() - t0
@@ -261,18 +264,22 @@ class Engine:
                 break
             k = min(policy.k, gen.max_new_tokens - out.count - 1, room) if drafter is not None else 0
             ta = time.perf_counter()
-            draft = drafter.propose(pending, k, generator) if drafter is not None and k > 0 else None
+            draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()
             drafted = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=device)
             kd = int(drafted.shape[0])
             base = cache.length
             logits = model(torch.cat([drafted.new_tensor([pending]), drafted]), cache).logits  # [kd+1, V]
-            if sampling.greedy:
-                tokens, n_acc = verify_greedy(drafted, logits)
+            # row j follows the drafts before it: the penalties count them (reading them is a host sync)
+            prefix = drafted.tolist() if sampler.penalized else ()
+            if sampler.generator is None:
+                tokens, n_acc = verify_greedy(drafted, sampler.adjust(logits, prefix))
             else:
-                tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None, probs(logits, sampling), generator)
+                tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None,
+                                               sampler.dist(logits, prefix), sampler.generator)
             n = int(n_acc)
             new = tokens[: n + 1].tolist()  # the round's one host sync
+            sampler.push(new)
             cache.rollback(base + 1 + n)
             if drafter is not None:
                 drafter.commit([pending] + new[:n], kd)

@@ -1,6 +1,7 @@
 """Verification of drafted tokens: where speculative decoding's exactness lives.
 
 Pure tensor functions, fixed output shapes, no host syncs (the caller reads the result once).
+Distributions come as `Dist`s, their candidate tokens only (candidates.py).
 Names follow the papers: p = target distribution, q = draft distribution, k = drafted tokens.
 
 Chain rule (Leviathan et al. 2023; Chen et al. 2023): drafted token x_i is accepted with
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .candidates import Dist, draw
 from .sampling import top_token
 
 
@@ -31,33 +33,35 @@ def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]
     return best, n
 
 
-def verify_sampled(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """draft [k], q [k, V] or None (one-hot drafts), p [k+1, V] -> (tokens [k+1], n_accepted []).
+def verify_sampled(draft: Tensor, q: Dist | None, p: Dist, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """draft [k], q: k rows or None (one-hot drafts), p: k+1 rows -> (tokens [k+1], n_accepted []).
 
     Emitted tokens are tokens[: n_accepted + 1]: the accepted drafts, then one token that is either
-    the resampled replacement (n_accepted < k) or the bonus token (n_accepted == k).
+    the resampled replacement (n_accepted < k) or the bonus token (n_accepted == k). Only row n of the
+    residual is built: over p's candidates, as p - q is positive only where p is.
     """
     k = draft.shape[0]
-    rows = torch.arange(k, device=p.device)
-    p_x = p[rows, draft]  # [k]
-    if q is None:
-        ratio = p_x
-        residual = p[:k].clone()
-        residual[rows, draft] = 0.0  # max(0, p - onehot(x)) = p without x
-    else:
-        ratio = p_x / q[rows, draft]
-        residual = (p[:k] - q).clamp_min_(0.0)
-    u = torch.rand(k, generator=generator, device=p.device)
+    p_x = p.prob_of(draft)  # [k]
+    ratio = p_x if q is None else p_x / q.prob_of(draft)
+    u = torch.rand(k, generator=generator, device=p.p.device)
     accepted = u < ratio  # [k]
-    n = torch.cumprod(accepted.to(torch.int64), 0).sum()
-    # Row n of [residual_0..residual_{k-1}, p_k] is where the one non-draft token comes from.
-    dists = torch.cat([residual, p[k:]], dim=0)  # [k+1, V]
-    row = dists.index_select(0, n.reshape(1))[0]
-    total = row.sum()
-    # p == q exactly leaves no residual mass; that row is then never reached (ratio = 1), but keep
-    # the draw well-defined.
-    row = torch.where(total > 0, row / total.clamp_min(1e-30), p.index_select(0, n.reshape(1))[0])
-    extra = torch.multinomial(row, 1, generator=generator)  # [1]
+    n = torch.cumprod(accepted.to(torch.int64), 0).sum().reshape(1)  # [1]
+    row = p.select(n)  # [1, K]: residual_n's support, or p_k for the bonus token
+    if k:
+        if q is None:  # q_n = one-hot(draft[n]); none for the bonus row
+            x = torch.cat([draft, draft.new_full((1,), -1)]).index_select(0, n)
+            q_n = (row.ids == x).to(row.p.dtype)
+        else:  # q_n at p's candidates, through a dense row (q's candidates may be any ids)
+            dense = row.p.new_zeros(1, max(p.vocab, q.vocab))
+            qi = n.clamp_max(k - 1)
+            dense.scatter_add_(1, q.ids.index_select(0, qi), q.p.index_select(0, qi))
+            q_n = dense.gather(1, row.ids) * (n < k)
+        residual = (row.p - q_n).clamp_min_(0.0)
+        # p == q exactly leaves no residual mass; that row is then never reached (ratio = 1), but keep
+        # the draw well-defined.
+        weights = torch.where(residual.sum() > 0, residual, row.p)
+        row = Dist(row.ids, weights, p.vocab)
+    extra = draw(row, generator)  # [1]
     tokens = torch.cat([draft, draft.new_zeros(1)])
-    tokens = tokens.index_copy(0, n.reshape(1), extra)
-    return tokens, n
+    tokens = tokens.index_copy(0, n, extra)
+    return tokens, n[0]

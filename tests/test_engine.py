@@ -13,7 +13,8 @@ from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
-from speculant.sampling import SamplingConfig, probs
+from speculant.sampling import Sampler, SamplingConfig
+from test_sampling import reference_probs
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
 
@@ -101,8 +102,10 @@ def test_seeded_sampling_repeats_exactly(pair, method):
     gen = GenerationConfig(max_new_tokens=25, sampling=SamplingConfig(0.9, top_k=20, top_p=0.95, seed=42))
     a, b = e.generate(PROMPT, gen), e.generate(PROMPT, gen)
     assert a.token_ids == b.token_ids
-    c = e.generate(PROMPT, GenerationConfig(max_new_tokens=25, sampling=SamplingConfig(0.9, top_k=20, top_p=0.95, seed=43)))
-    assert c.token_ids != a.token_ids
+    others = [e.generate(PROMPT, GenerationConfig(max_new_tokens=25, sampling=SamplingConfig(0.9, top_k=20, top_p=0.95,
+                                                                                           seed=s))).token_ids
+              for s in (43, 44, 45)]
+    assert any(o != a.token_ids for o in others)  # the tiny model is sharp: two seeds can agree
 
 
 def _exact_marginals(target, prompt, sampling, n_tokens):
@@ -115,7 +118,8 @@ def _exact_marginals(target, prompt, sampling, n_tokens):
         nxt = []
         for ctx, w in frontier:
             c = m.new_cache(64)
-            p = probs(m(torch.tensor(prompt + list(ctx)), c, logit_rows=slice(-1, None)).logits[0], sampling)
+            p = reference_probs(m(torch.tensor(prompt + list(ctx)), c, logit_rows=slice(-1, None)).logits[0], sampling,
+                                prompt + list(ctx))
             marginals[j] += w * p
             nxt += [(ctx + (x,), w * float(p[x])) for x in range(V) if p[x] > 0]
         frontier = nxt
@@ -233,11 +237,11 @@ def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
         return type(model).forward(model, *a, **kw)
 
     def drafter():
-        d = DraftModelDrafter(model, SamplingConfig(0.0), DraftModelConfig(min_confidence=0.0), 64, 32)
+        d = DraftModelDrafter(model, Sampler(SamplingConfig(0.0), 32), DraftModelConfig(min_confidence=0.0), 64, 32)
         d.start(PROMPT)
         return d
 
-    plain = drafter().propose(7, 5, None).tokens.tolist()
+    plain = drafter().propose(7, 5).tokens.tolist()
     assert len(plain) == 5
     for agree in range(5):
         guess = plain[:agree] + [(plain[agree] + 1) % 32] + plain[agree + 1 :]
@@ -245,16 +249,16 @@ def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
         calls.clear()
         model.forward = counting
         try:
-            got = d.propose(7, 5, None, guess=guess).tokens.tolist()
+            got = d.propose(7, 5, guess=guess).tokens.tolist()
         finally:
             del model.forward
         assert got == plain, agree
         assert len(calls) == 5 - agree and calls[0] == 1 + 1 + min(len(guess), 4)  # unfed + pending + guess
         # the draft's cache holds what propose() promises: the context, pending and all drafts but the last
         d.commit([7] + got, len(got))
-        fresh = DraftModelDrafter(model, SamplingConfig(0.0), DraftModelConfig(min_confidence=0.0), 64, 32)
+        fresh = DraftModelDrafter(model, Sampler(SamplingConfig(0.0), 32), DraftModelConfig(min_confidence=0.0), 64, 32)
         fresh.start(PROMPT + [7] + got)
-        assert torch.equal(d.propose(11, 3, None).tokens, fresh.propose(11, 3, None).tokens)
+        assert torch.equal(d.propose(11, 3).tokens, fresh.propose(11, 3).tokens)
 
 
 class _FixedGuess(LookupDrafter):
@@ -270,12 +274,12 @@ def test_auto_hybrid_sends_guesses_unchecked_only_while_they_yield_more(pair, lo
     tokens per cost. A simulated target accepts either the guesses or the draft's own tokens."""
     _, draft = pair
     cfg = DraftModelConfig(min_confidence=0.0, vocab=16)
-    model = DraftModelDrafter(draft.model, SamplingConfig(0.0), cfg, 256, 32, reduced_head(draft.model, cfg))
+    model = DraftModelDrafter(draft.model, Sampler(SamplingConfig(0.0), 32), cfg, 256, 32, reduced_head(draft.model, cfg))
     h = HybridDrafter(_FixedGuess(LookupConfig()), model, HybridConfig("auto", explore=8), draft_cost=0.3)
     h.start(PROMPT)
     pending, checked = 7, 0
     for _ in range(24):
-        tokens = h.propose(pending, 4, None).tokens.tolist()
+        tokens = h.propose(pending, 4).tokens.tolist()
         assert len(tokens) == 4
         checked += h.checked
         n = 0

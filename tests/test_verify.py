@@ -4,9 +4,23 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from speculant.candidates import Dist
 from speculant.verify import verify_greedy, verify_sampled
 
 V = 6
+
+
+def dist(p: torch.Tensor, g: torch.Generator | None = None) -> Dist:
+    """p [R, V] as a Dist of its nonzero entries, in a random order per row (with g) and padded: the
+    form the sampler produces, candidates in any order."""
+    if g is None:
+        return Dist(torch.arange(V).expand(p.shape[0], V), p, V)
+    rows = []
+    for r in p:
+        ids = torch.nonzero(r)[:, 0]
+        ids = ids[torch.randperm(ids.numel(), generator=g)]
+        rows.append(Dist(ids[None], r[ids][None], V))
+    return Dist.cat(rows)
 
 
 def onehot(i: int, eps: float = 0.0) -> torch.Tensor:
@@ -30,10 +44,10 @@ def test_sampled_accepts_when_target_agrees_and_rejects_when_it_cannot():
     g = torch.Generator().manual_seed(0)
     p = torch.stack([onehot(3), onehot(1), onehot(0)])
     q = torch.stack([onehot(3), onehot(1)])
-    tokens, n = verify_sampled(torch.tensor([3, 1]), q, p, g)
+    tokens, n = verify_sampled(torch.tensor([3, 1]), dist(q), dist(p), g)
     assert int(n) == 2 and tokens.tolist() == [3, 1, 0]
     # The target gives the drafted token 0 probability: always rejected, replaced from p.
-    tokens, n = verify_sampled(torch.tensor([5, 1]), torch.stack([onehot(5), onehot(1)]), p, g)
+    tokens, n = verify_sampled(torch.tensor([5, 1]), dist(torch.stack([onehot(5), onehot(1)]), g), dist(p, g), g)
     assert int(n) == 0 and tokens[0].item() == 3
 
 
@@ -42,19 +56,22 @@ def test_sampled_near_one_hot_residual():
     p = torch.stack([onehot(2, 1e-4), onehot(4, 1e-4)])
     # Draft is sure of token 0 where the target is sure of 2: rejected, residual ~ p without q's mass.
     for _ in range(50):
-        tokens, n = verify_sampled(torch.tensor([0]), onehot(0, 1e-4)[None], p, g)
+        tokens, n = verify_sampled(torch.tensor([0]), dist(onehot(0, 1e-4)[None]), dist(p), g)
         assert int(n) == 0 and tokens[0].item() == 2
 
 
 def test_lookup_one_hot_q_accepts_with_probability_p():
     g = torch.Generator().manual_seed(2)
     p = torch.tensor([[0.25, 0.75, 0, 0, 0, 0], [1.0, 0, 0, 0, 0, 0]])
-    acc = sum(int(verify_sampled(torch.tensor([1]), None, p, g)[1]) for _ in range(4000))
+    acc = sum(int(verify_sampled(torch.tensor([1]), None, dist(p, g), g)[1]) for _ in range(4000))
     assert abs(acc / 4000 - 0.75) < 0.03
 
 
 def _random_dist(g: torch.Generator, sharp: float = 2.0) -> torch.Tensor:
-    return torch.softmax(torch.randn(V, generator=g) * sharp, -1)
+    """A random distribution with two tokens left out: p and q cover different candidates."""
+    x = torch.randn(V, generator=g) * sharp
+    x[torch.randperm(V, generator=g)[:2]] = float("-inf")
+    return torch.softmax(x, -1)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -68,16 +85,17 @@ def test_emitted_tokens_follow_target_distribution(k, one_hot_q):
     g = torch.Generator().manual_seed(100 + k + 10 * one_hot_q)
     p = torch.stack([_random_dist(g) for _ in range(k + 1)])  # [k+1, V]
     q = torch.stack([_random_dist(g) for _ in range(k)])  # [k, V]
+    p_dist, q_dist = dist(p, g), dist(q, g)
     n_rounds = 100_000
     counts = torch.zeros(k + 1, V)
     totals = torch.zeros(k + 1)
     for _ in range(n_rounds):
         if one_hot_q:
             draft = torch.multinomial(q, 1, generator=g)[:, 0]  # lookup: a deterministic proposal per round
-            tokens, n = verify_sampled(draft, None, p, g)
+            tokens, n = verify_sampled(draft, None, p_dist, g)
         else:
             draft = torch.multinomial(q, 1, generator=g)[:, 0]
-            tokens, n = verify_sampled(draft, q, p, g)
+            tokens, n = verify_sampled(draft, q_dist, p_dist, g)
         m = int(n) + 1
         counts[torch.arange(m), tokens[:m]] += 1
         totals[:m] += 1

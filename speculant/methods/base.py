@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
+from ..candidates import Dist
 from ..models.transformer import ROW_WISE_MAX
 
 # The target scores [pending, *drafts] in one pass. Passes of at most ROW_WISE_MAX tokens compute
@@ -26,7 +26,7 @@ MAX_DRAFT_TOKENS = ROW_WISE_MAX - 1
 @dataclass(slots=True)
 class Draft:
     tokens: Tensor  # [k] long, k >= 0
-    q: Tensor | None  # [k, V] distributions the tokens were drawn from; None = deterministic (one-hot)
+    q: Dist | None  # k rows: the distributions the tokens were drawn from; None = deterministic (one-hot)
 
 
 class Drafter(Protocol):
@@ -35,7 +35,7 @@ class Drafter(Protocol):
     def start(self, prompt: list[int]) -> None:
         """Begin a generation whose context is `prompt` (all of it committed, nothing pending)."""
 
-    def propose(self, pending: int, k: int, generator: torch.Generator | None) -> Draft:
+    def propose(self, pending: int, k: int) -> Draft:
         """Up to k tokens predicted to follow the committed context + `pending`."""
 
     def commit(self, accepted: list[int], n_drafted: int) -> None:

@@ -19,7 +19,8 @@ from ..errors import SpeculantError
 from ..models.formats import QLinear
 from ..models.transformer import Transformer
 from ..prefix import KeptPrefix
-from ..sampling import SamplingConfig, probs, sample, top_token
+from ..candidates import Dist, draw
+from ..sampling import Sampler, top_token
 from .base import Draft
 
 CONTEXT_STEP = 64  # the draft's prompt window (DraftModelConfig.context) starts at multiples of this
@@ -71,15 +72,17 @@ def reduced_head(model: Transformer, cfg: DraftModelConfig) -> QLinear | None:
 class DraftModelDrafter:
     name = "draft"
 
-    def __init__(self, model: Transformer, sampling: SamplingConfig, cfg: DraftModelConfig, max_len: int,
+    def __init__(self, model: Transformer, sampler: Sampler, cfg: DraftModelConfig, max_len: int,
                  target_vocab: int, head: QLinear | None = None, kept: KeptPrefix | None = None) -> None:
         self.model = model
         self.head = head
         # Vocabularies may differ by padding rows only (checked up front): the draft never proposes
-        # an id the target lacks, and q is laid out over the target's vocabulary.
+        # an id the target lacks.
         self.target_vocab = target_vocab
         self.rows = model.cfg.vocab_size  # ids the draft can embed
-        self.sampling = sampling
+        # The generation's sampler, shared with the target: q is p's pipeline over the draft's logits,
+        # its penalties counting the context and the tokens drafted before each position.
+        self.sampler = sampler
         self.cfg = cfg
         # The prompt cache of a conversation (its prefill reused across generations), or a fresh one.
         self.kept = kept if kept is not None else KeptPrefix(model, frozenset(), reuse=False)
@@ -99,12 +102,13 @@ class DraftModelDrafter:
         self.committed = self.cache.length
         self.unfed = prompt[-1:]
 
-    def propose(self, pending: int, k: int, generator: torch.Generator | None, guess: Sequence[int] = ()) -> Draft:
+    def propose(self, pending: int, k: int, guess: Sequence[int] = ()) -> Draft:
         """Up to k tokens after `pending`. A `guess` of what follows (prompt lookup's) is scored in the
         first forward: its leading tokens that equal the draft's own greedy choices are taken as
         drafts without a forward each, then the draft goes on from the first disagreement."""
         device = self.model.device
-        greedy = self.sampling.greedy
+        sampler = self.sampler
+        greedy = sampler.generator is None
         threshold = self.cfg.min_confidence
         log_threshold = math.log(threshold) if threshold > 0 else -math.inf
         room = self.max_len - self.cache.length - len(self.unfed) - 1
@@ -112,37 +116,46 @@ class DraftModelDrafter:
         guess = list(guess[: max(0, k - 1)])  # the first forward leaves room for one token of its own
         feed = self._ids(self.unfed + [pending] + guess)
         tokens: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
+        qs: list[Dist] = []
+        # the drafted tokens as ints, for the penalties of the positions after them (only when penalized:
+        # reading a sampled token is a host sync)
+        prefix: list[int] = []
         rows = len(guess) + 1
         while k > 0 and sum(t.shape[0] for t in tokens) < k:
             out = self.model(feed, self.cache, logit_rows=slice(-rows, None), head=self.head)
             self.forwards += 1
-            logits = out.logits[-1]
+            logits = out.logits[-1:]
             if rows > 1:
                 n = self._agreed(out.logits, guess)
                 self.cache.rollback(self.cache.length - (len(guess) - n))  # unfed: the disagreeing guesses
                 if n:
                     tokens.append(feed.new_tensor(guess[:n]))
+                    if sampler.penalized:
+                        prefix += guess[:n]
                     if not greedy:  # deterministic given the context: one-hot proposals
-                        qs.append(torch.nn.functional.one_hot(tokens[-1], self.target_vocab).float())
-                logits = out.logits[n]
+                        qs.append(Dist.one_hot(tokens[-1], self.target_vocab))
+                logits = out.logits[n : n + 1]
                 rows = 1
+            # as the target's rows: ids past the target's vocabulary (padding rows) never proposed
+            logits = logits[:, : self.target_vocab]  # [1, W]
             if greedy:
-                logits = logits[: self.target_vocab]  # as sampling.top_token, with the top logit kept
-                top, tok = logits.max(-1, keepdim=True)
+                logits = sampler.adjust(logits, prefix)[0]
+                top, tok = logits.max(-1, keepdim=True)  # as sampling.top_token
                 if threshold > 0 and float(top - logits.logsumexp(-1)) < log_threshold:  # top probability
                     break
             else:
-                q = probs(self._fit(logits), self.sampling)
-                if threshold > 0 and q.max() < threshold:
+                q = sampler.dist(logits, prefix)
+                if threshold > 0 and float(q.p.amax()) < threshold:
                     break
-                tok = sample(q, generator).reshape(1)
-                qs.append(q[None])
+                tok = draw(q, sampler.generator)  # [1]
+                qs.append(q)
             tokens.append(tok)
+            if sampler.penalized:
+                prefix.append(int(tok))
             feed = tok
         # Cache now holds: committed, unfed, pending, and all drafts but (at least) the last.
         draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=device)
-        return Draft(draft, torch.cat(qs) if qs else None)
+        return Draft(draft, Dist.cat(qs) if qs else None)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         """Token ids as the draft's input [len(ids)]. The target may emit an id of its padding rows (its
@@ -152,18 +165,11 @@ class DraftModelDrafter:
         return t.clamp_(max=self.rows - 1) if any(i >= self.rows for i in ids) else t
 
     def _agreed(self, logits: torch.Tensor, guess: list[int]) -> int:
-        """How many leading guess tokens equal the draft's argmax (logits [len(guess) + 1, V]): one host sync."""
-        pred = top_token(logits[:-1, : self.target_vocab])
+        """How many leading guess tokens equal the draft's greedy choice (logits [len(guess) + 1, V]), after
+        logit bias and penalties (row j follows guess[:j]): one host sync."""
+        pred = top_token(self.sampler.adjust(logits[:-1, : self.target_vocab], guess[:-1]))
         same = pred == torch.tensor(guess, device=pred.device)
         return int(same.cumprod(0).sum())
-
-    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        v = self.target_vocab
-        if logits.shape[0] == v:
-            return logits
-        if logits.shape[0] > v:
-            return logits[:v]
-        return torch.cat([logits, logits.new_full((v - logits.shape[0],), float("-inf"))])
 
     def commit(self, accepted: list[int], n_drafted: int) -> None:
         # accepted = [pending, d_1..d_n]; the cache holds unfed + pending + d_1..d_{n_drafted-1}.

@@ -103,7 +103,7 @@ class HybridDrafter:
         self.guess_rounds = 0
         self.round_forwards = 0
 
-    def propose(self, pending: int, k: int, generator: torch.Generator | None) -> Draft:
+    def propose(self, pending: int, k: int) -> Draft:
         self._settle(pending)
         self.guess = self.lookup.guess(pending, k)
         self.checked = bool(self.guess) and self._check()
@@ -111,7 +111,7 @@ class HybridDrafter:
             self.round_forwards = 0
             return Draft(torch.tensor(self.guess, dtype=torch.long, device=self.model.model.device), None)
         forwards = self.model.forwards
-        draft = self.model.propose(pending, k, generator, guess=self.guess)
+        draft = self.model.propose(pending, k, guess=self.guess)
         self.round_forwards = self.model.forwards - forwards
         return draft
 

@@ -61,7 +61,7 @@ class LookupDrafter:
             if end - n >= 0:
                 self.index[tuple(h[end - n : end])] = end
 
-    def propose(self, pending: int, k: int, generator: torch.Generator | None = None) -> Draft:
+    def propose(self, pending: int, k: int) -> Draft:
         return Draft(torch.tensor(self.guess(pending, k), dtype=torch.long, device=self.device), None)
 
     def guess(self, pending: int, k: int) -> list[int]:
