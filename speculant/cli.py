@@ -51,12 +51,48 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """The sampler's flags (generate, chat, bench methods); `sampling_config` reads them."""
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this fraction as likely as the top one (0 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens in the last --repeat-last-n tokens by this (1 = off; llama.cpp)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="tokens of the context the penalties look back over (default 64; -1 = all, 0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from tokens that occur in that window (0 = off; OpenAI)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times each token's count in that window (0 = off; OpenAI)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable; BIAS -inf bans the token)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def sampling_config(args: argparse.Namespace):
+    """The SamplingConfig of the sampler flags (a SpeculantError names what to fix)."""
+    from .sampling import SamplingConfig
+
+    bias = {}
+    for item in args.logit_bias:
+        tid, eq, value = item.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            bias[int(tid)] = float(value)
+        except ValueError:
+            raise SpeculantError(f"--logit-bias takes ID=BIAS (e.g. 42=-inf or 42=2.5), got {item!r}") from None
+    return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          logit_bias=bias)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", "-n", type=int, default=256, help="new tokens at most")
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_sampler_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (with --chat / chat)")
 
@@ -150,10 +186,8 @@ def load_engine(args: argparse.Namespace):
 
 def _gen_config(args: argparse.Namespace):
     from .engine import GenerationConfig
-    from .sampling import SamplingConfig
 
-    return GenerationConfig(max_new_tokens=args.max_tokens,
-                            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+    return GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling_config(args),
                             stop_strings=tuple(args.stop))
 
 

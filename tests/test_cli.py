@@ -78,12 +78,42 @@ def test_tiny_gguf_file_generates(capsys, tmp_path, monkeypatch):
     (["--top-p", "0"], ["top-p"]),
     (["--top-p", "1.5"], ["top-p"]),
     (["--top-k", "-3"], ["top-k"]),
+    (["--min-p", "1.5"], ["min-p"]),
+    (["--repeat-penalty", "0"], ["repeat penalty"]),
+    (["--repeat-last-n", "-2"], ["repeat-last-n"]),
+    (["--presence-penalty", "inf"], ["presence penalty"]),
+    (["--frequency-penalty", "nan"], ["frequency penalty"]),
+    (["--logit-bias", "12"], ["--logit-bias", "ID=BIAS"]),
+    (["--logit-bias", "a=1"], ["--logit-bias"]),
+    (["--logit-bias=-4=1"], ["logit bias token ids"]),
+    (["--logit-bias", "7=inf"], ["logit bias", "-inf"]),
     (["--max-tokens", "0"], ["max tokens"]),
     (["--method", "draft"], ["--draft"]),
 ])
 def test_argument_errors(capsys, argv, needles):
     rc, _, err = run(capsys, "generate", *argv, "hello")
     assert_user_error(rc, err, *needles)
+
+
+def test_sampler_flags_reach_the_engine(capsys, tmp_path, monkeypatch):
+    """Banning every token but one with --logit-bias leaves one possible output; the other flags pass."""
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = write_gguf(tmp_path / "tiny.gguf")
+    flags = ["--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.01", "--repeat-penalty", "1.3",
+             "--repeat-last-n", "8", "--presence-penalty", "0.2", "--frequency-penalty", "0.1", "--seed", "3"]
+    from speculant.models import load_model
+
+    vocab = load_model(str(path), "float32", progress=False).config.vocab_size
+    ban = [f"--logit-bias={i}=-inf" for i in range(vocab) if i != 1]
+    rc, out, err = run(capsys, "generate", "--model", str(path), "--dtype", "float32", "-n", "4", "--no-progress",
+                       "--method", "lookup", *flags, *ban, "ab")
+    assert rc == 0, err
+    rc, out2, err = run(capsys, "generate", "--model", str(path), "--dtype", "float32", "-n", "4", "--no-progress",
+                        *flags, *ban, "--logit-bias", f"{vocab}=1", "ab")
+    assert_user_error(rc, err, "outside the model's vocabulary")
+    rc, out3, _ = run(capsys, "generate", "--model", str(path), "--dtype", "float32", "-n", "4", "--no-progress",
+                      *flags, *ban, "ab")
+    assert rc == 0 and out == out3 and len(set(out.split())) == 1  # token 1, four times
 
 
 def test_corrupt_gguf(capsys, tmp_path):
