@@ -1,6 +1,7 @@
 """The decoding loop on tiny random models: every method is exact, stops land right, seeds repeat."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, r
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
 from speculant.sampling import Sampler, SamplingConfig
-from test_sampling import reference_probs
+from test_sampling import INF, reference_adjust, reference_probs
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
 
@@ -55,6 +56,25 @@ def test_greedy_output_identical_for_every_method(pair, k, schedule):
         assert done.token_ids == ref, name
     assert outs["self"].stats.acceptance_rate == 1.0  # a model drafting for itself accepts everything
     assert outs["self"].stats.target_forwards < 40
+
+
+def test_greedy_with_penalties_and_bias_is_identical_for_every_method(pair):
+    """Greedy decoding takes the top token after logit bias and penalties: every method emits what a
+    token-by-token loop over the reference penalties emits."""
+    target, draft = pair
+    sampling = SamplingConfig(0.0, repeat_penalty=1.8, repeat_last_n=4, presence_penalty=0.5, frequency_penalty=0.5,
+                              logit_bias={7: -INF, 11: 0.5})
+    gen = GenerationConfig(max_new_tokens=30, sampling=sampling)
+    ctx = list(PROMPT)
+    for _ in range(30):
+        c = target.model.new_cache(64)
+        logits = target.model(torch.tensor(ctx), c, logit_rows=slice(-1, None)).logits[0]
+        ctx.append(int(reference_adjust(logits, sampling, ctx).argmax()))
+    ref = ctx[len(PROMPT):]
+    assert ref != Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=30)).token_ids  # they matter
+    assert 7 not in ref
+    for name, e in engines(target, draft, k=3, schedule="heuristic", max_k=6).items():
+        assert e.generate(PROMPT, gen).token_ids == ref, name
 
 
 def test_stats_are_consistent(pair):
@@ -126,44 +146,68 @@ def _exact_marginals(target, prompt, sampling, n_tokens):
     return marginals
 
 
-@pytest.mark.parametrize("method, sampling, confidence", [
-    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9), 0.0),
-    ("draft", SamplingConfig(1.0), 0.35),
-    ("lookup", SamplingConfig(1.3), 0.0),
-    ("hybrid", SamplingConfig(1.0, top_p=0.8), 0.0),
-    ("hybrid-never", SamplingConfig(0.8, top_k=3), 0.0),  # unchecked guesses, then the model's own drafts
-])
-def test_every_generated_position_has_the_targets_distribution(method, sampling, confidence):
-    """Speculative sampling through the whole engine reproduces target-only sampling (chi-square).
+# Penalties over a 3-token window: the counts change inside every drafted run (k=3), and tokens
+# leave the window as drafts enter it. Logit bias and min-p in a second set.
+PENALTIES = SamplingConfig(1.0, repeat_penalty=1.5, repeat_last_n=3, presence_penalty=1.0, frequency_penalty=0.8)
+MIN_P_BIAS = SamplingConfig(0.8, min_p=0.25, logit_bias={2: 0.6, 0: -0.4})
+METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
 
-    Four tokens: the first from the prefill, then a round drafting two, then whatever is left, so
-    accepted, resampled and bonus tokens all appear at the checked positions. The tiny draft's top
-    probability is about 0.3: a confidence stop of 0 always drafts (2.4 tokens a run), 0.35 stops
-    many drafts early (1.4 a run).
+
+@pytest.mark.parametrize("method, sampling", [
+    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9)),
+    ("draft-conf", SamplingConfig(1.0)),
+    ("draft-heuristic", SamplingConfig(1.0, top_p=0.9)),  # the draft length changes from round to round
+    ("draft-vocab", SamplingConfig(0.9)),  # the draft proposes among the first 3 of 4 ids only
+    ("lookup", SamplingConfig(1.3)),
+    ("hybrid", SamplingConfig(1.0, top_p=0.8)),
+    ("hybrid-never", SamplingConfig(0.8, top_k=3)),  # unchecked guesses, then the model's own drafts
+    ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
+    *((m, PENALTIES) for m in METHODS_SAMPLED),
+    *((m, MIN_P_BIAS) for m in METHODS_SAMPLED),
+])
+def test_every_generated_position_has_the_targets_distribution(method, sampling):
+    """Speculative sampling through the whole engine reproduces target-only sampling (chi-square against
+    the exact marginals, enumerated with the full-sort reference sampler and reference penalties).
+
+    Four tokens (six for the heuristic schedule): the first from the prefill, then a round drafting up to three, then whatever is left,
+    so accepted, resampled and bonus tokens all appear at the checked positions. The tiny draft's top
+    probability is about 0.3: a confidence stop of 0 always drafts (2.4 tokens a run), 0.35 ("conf")
+    stops many drafts early (1.4 a run).
     """
-    V, n_tok, runs = 4, 4, 4000
+    name, _, variant = method.partition("-")
+    # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
+    V, n_tok, runs = 4, 6 if variant == "heuristic" else 4, 3000
     target = tiny_model(V, seed=5, logit_scale=0.2)
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
     exp = _exact_marginals(target, prompt, sampling, n_tok)
     # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
     # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
-    name, _, check = method.partition("-")
+    confidence = 0.35 if variant == "conf" else 0.0
     lookup = LookupConfig(3, min_ngram=3 if name == "hybrid" else 1)
+    length = DraftLengthConfig(k=1, schedule="heuristic", max_k=3) if variant == "heuristic" else \
+        DraftLengthConfig(k=3, schedule="fixed")
+    dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0)
+    check = variant if variant in ("always", "never") else "auto"
     e = Engine(target, draft if name in ("draft", "hybrid") else None,
-               MethodConfig(name, DraftLengthConfig(k=3, schedule="fixed"), lookup,
-                            DraftModelConfig(min_confidence=confidence), HybridConfig(check or "auto")))
+               MethodConfig(name, length, lookup, dm, HybridConfig(check)))
     counts = torch.zeros(n_tok, V)
     drafted = accepted = 0
+    grew = False
     for i in range(runs):
-        s = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=1000 + i)
+        s = replace(sampling, seed=1000 + i)
         done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=s))
         counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
         drafted += done.stats.drafted_tokens
         accepted += done.stats.accepted_tokens
+        grew |= done.stats.drafted_tokens > done.stats.rounds  # a round drafted more than one token
     assert drafted >= (runs if confidence == 0 else runs // 4) and 0 < accepted < drafted  # with rejections
     if confidence:
         assert drafted < 2 * runs  # the stop cut drafts short
+    if variant == "heuristic":
+        assert grew  # from k=1, only the schedule drafts more
+    if variant == "vocab":
+        assert counts[1:, 3].sum() > 0  # the target still emits the id the draft cannot propose
     for j in range(n_tok):
         keep = exp[j] * runs > 5
         obs, ex = counts[j][keep], exp[j][keep] * runs
