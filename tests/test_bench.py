@@ -282,6 +282,26 @@ def test_run_methods_tiny(tmp_path: Path) -> None:
     assert d["mismatches"] == 0 and len(d["records"]) == 6
 
 
+def test_run_methods_sampled_with_seeds() -> None:
+    """Sampled runs: every prompt once per seed, not compared with ar's tokens (they differ by design)."""
+    from speculant.sampling import SamplingConfig
+
+    target = tiny_model(32, seed=1, logit_scale=3.0)
+    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1)
+    cfg = MethodsConfig(("ar", "draft"), max_new_tokens=10, warmup_tokens=2,
+                        sampling=SamplingConfig(0.9, top_p=0.9, seed=4), seeds=3)
+    engines = {m: Engine(target, draft if m == "draft" else None, MethodConfig(m)) for m in cfg.methods}
+    prompts = [Prompt("a", "x", "t3 t1 t4 t1 t5 t9 t2 t6", chat=False)]
+    runs = [run_methods(engines, prompts, cfg, progress=False, err=Console(stderr=True, quiet=True))]
+    recs = runs[0].records
+    assert len(recs) == 6 and all(r.matches_reference is None for r in recs) and not runs[0].mismatches
+    assert methods_tables(runs[0])[0].rows[0][-1] == "-"
+    assert [r.generated_tokens for r in recs] == [10] * 6
+    assert json.loads(json.dumps(runs[0].to_dict(), default=str))["config"]["seeds"] == 3
+    with pytest.raises(SpeculantError, match="seeds"):
+        MethodsConfig(("ar",), seeds=0)
+
+
 def test_methods_config_and_mismatch_reporting() -> None:
     with pytest.raises(SpeculantError, match="unknown method"):
         MethodsConfig(("ar", "medusa"))

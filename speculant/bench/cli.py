@@ -22,7 +22,7 @@ DEFAULT_OUT = "bench_out"
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..cli import DEFAULT_DRAFT, _add_model_args
+    from ..cli import DEFAULT_DRAFT, _add_model_args, add_sampler_args
 
     bench = subparsers.add_parser("bench", help="benchmark model speed or decoding methods")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
@@ -58,6 +58,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--specbench-file", default=None,
                    help="spec_bench_question.jsonl (default: $SPECULANT_SPECBENCH or ../shared/data/)")
     m.add_argument("--against", nargs="+", choices=("transformers",), default=[], help="peer engines to run too")
+    add_sampler_args(m)  # greedy unless --temperature > 0
+    m.add_argument("--seeds", type=int, default=1,
+                   help="sampled runs: generate each prompt with seeds --seed (default 0) .. --seed + N - 1")
     m.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
 
     v = modes.add_parser("serve", help="load test of `speculant serve` on loopback: concurrent streaming clients, "
@@ -139,7 +142,9 @@ def _methods(args: argparse.Namespace) -> int:
 
     if args.method:
         raise SpeculantError("bench methods compares several methods: use --methods (e.g. --methods ar draft lookup)")
-    cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens)
+    from ..cli import sampling_config
+
+    cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens, sampling_config(args), args.seeds)
     prompts = load_prompts(args.dataset, args.count, tuple(args.categories), args.specbench_file)
     out = output_dir(args.out)
     err = Console(stderr=True)

@@ -9,14 +9,16 @@ peer) generates a few tokens once before timing starts.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ..engine import METHODS, Engine, GenerationConfig, method_name
 from ..errors import SpeculantError
+from ..sampling import SamplingConfig
 from .aggregate import ALL, Aggregate, Record, aggregate, first_difference
 from .peers import TransformersPeers
 from .prompts import Prompt
@@ -28,6 +30,11 @@ class MethodsConfig:
     methods: tuple[str, ...] = METHODS
     max_new_tokens: int = 128
     warmup_tokens: int = 8
+    # Greedy by default. Sampled runs generate every prompt once per seed (seed, seed + 1, ...); their
+    # tokens differ from the reference's by design, so they are not compared (exactness under sampling
+    # is a distribution property: tests/test_engine.py).
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seeds: int = 1
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -42,6 +49,8 @@ class MethodsConfig:
             raise SpeculantError(f"--max-tokens must be >= 2 for a benchmark, got {self.max_new_tokens}")
         if self.warmup_tokens < 0:
             raise SpeculantError("warm-up tokens must be >= 0")
+        if self.seeds < 1:
+            raise SpeculantError(f"--seeds must be >= 1, got {self.seeds}")
 
     @property
     def reference(self) -> str:
@@ -64,8 +73,10 @@ class MethodsResult:
         return [r for r in self.records if r.matches_reference is False and not r.peer]
 
     def to_dict(self) -> dict[str, object]:
+        s = self.config.sampling
         return {"config": {"methods": list(self.config.methods), "max_new_tokens": self.config.max_new_tokens,
-                           "reference": self.config.reference},
+                           "reference": self.config.reference, "seeds": self.config.seeds,
+                           "sampling": {f: getattr(s, f) for f in s.__slots__}},
                 "info": self.info, "machine": self.machine, "mismatches": len(self.mismatches),
                 "aggregates": [a.to_dict() for a in self.aggregates],
                 "records": [r.to_dict() for r in self.records]}
@@ -81,7 +92,10 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
         raise SpeculantError("no prompts to benchmark")
     err = err or Console(stderr=True)
     result = MethodsResult(cfg)
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    sampled = not cfg.sampling.greedy
+    if sampled and peers is not None:
+        raise SpeculantError("--against compares greedy output only; leave out --temperature")
+    base_seed = cfg.sampling.seed or 0
     first = next(iter(engines.values()))
     encoded = [first.encode_prompt(p.text, chat=p.chat) for p in prompts]
     peer_methods = peers.methods if peers is not None else ()
@@ -89,23 +103,26 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=err, disable=not progress) as bar:
-        task = bar.add_task("warm-up", total=len(prompts) * (len(engines) + len(peer_methods)))
+        task = bar.add_task("warm-up", total=len(prompts) * cfg.seeds * (len(engines) + len(peer_methods)))
         if cfg.warmup_tokens:
-            warm = GenerationConfig(max_new_tokens=cfg.warmup_tokens, ignore_eos=True)
+            warm = GenerationConfig(max_new_tokens=cfg.warmup_tokens, ignore_eos=True, sampling=cfg.sampling)
             for engine in engines.values():
                 engine.generate(encoded[0], warm)
             for m in peer_methods:
                 peers.generate(m, encoded[0], cfg.warmup_tokens)
-        for prompt, ids in zip(prompts, encoded):
+        for (prompt, ids), seed in itertools.product(zip(prompts, encoded), range(cfg.seeds)):
             reference: list[int] | None = None
+            gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True,
+                                   sampling=replace(cfg.sampling, seed=base_seed + seed) if sampled else cfg.sampling)
             for name in order:
                 engine = engines[name]
                 bar.update(task, description=f"{prompt.category} {prompt.id}: {name}")
                 done = engine.generate(ids, gen)
                 if reference is None:
                     reference = done.token_ids
-                diff = first_difference(reference, done.token_ids)
-                rec = Record.from_stats(prompt.id, prompt.category, done.stats, matches_reference=diff is None,
+                diff = None if sampled else first_difference(reference, done.token_ids)
+                rec = Record.from_stats(prompt.id, prompt.category, done.stats,
+                                        matches_reference=None if sampled else diff is None,
                                         first_mismatch=diff, method=name)  # variants keep their own row
                 if diff is not None:
                     err.print(f"[bold red]MISMATCH[/bold red] {prompt.category} {prompt.id}: {name} differs from "
@@ -135,7 +152,8 @@ def methods_tables(result: MethodsResult) -> list[Table]:
                      fmt(a.decode_tokens_per_second, 2), fmt(a.speedup, 2, "x"), fmt(a.decode_speedup, 2, "x"),
                      fmt(a.predicted_speedup, 2, "x"), fmt(a.tau_model_speedup, 2, "x"),
                      fmt(None if a.acceptance_rate is None else 100 * a.acceptance_rate, 1), fmt(a.tau, 2),
-                     fmt(a.draft_len, 2), fmt(a.draft_cost, 3), fmt(a.verify_cost, 2), f"{same}/{len(recs)}"))
+                     fmt(a.draft_len, 2), fmt(a.draft_cost, 3), fmt(a.verify_cost, 2),
+                     f"{same}/{len(recs)}" if result.config.sampling.greedy else "-"))
         styles.append("bold red" if a.mismatches else ("dim" if peer else None))
     notes = [
         "tok/s = generated tokens / (prefill + decode s), prefill including the drafter's; decode tok/s = "
