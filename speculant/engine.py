@@ -6,8 +6,10 @@ Plain autoregressive decoding is the same loop with a drafter that proposes noth
 
 One round: the drafter proposes k tokens after `pending` (the last emitted, not yet scored token);
 the target scores [pending, *draft] in one forward; `verify` keeps n drafts plus one token; both
-caches are rolled back to the committed length. The only host sync of a round is reading
-(n, tokens) once after verification.
+caches are rolled back to the committed length. The host syncs of a round: reading (n, tokens)
+once after verification and, when sampling, the sampler's check that its candidates hold the cut
+(candidates.py). Target and drafter share one `Sampler` (sampling.py), so p and q are the same
+transform of their logits, penalties included.
 """
 
 from __future__ import annotations
