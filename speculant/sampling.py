@@ -120,6 +120,8 @@ class Sampler:
         if outside:
             raise SpeculantError(f"logit bias token id {outside[0]} is outside the model's vocabulary "
                                  f"(ids 0..{vocab - 1})")
+        if sum(b == -math.inf for _, b in cfg.logit_bias) >= vocab:
+            raise SpeculantError("logit bias bans every token of the vocabulary; leave at least one")
         self.generator = None if cfg.greedy else cfg.generator(device)
         self.penalized = cfg.penalized
         self.active = self.penalized or bool(cfg.logit_bias)  # does adjust() change the logits?

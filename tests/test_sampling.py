@@ -264,6 +264,8 @@ def test_logit_bias_forms_and_vocabulary_check():
     hash(a)
     with pytest.raises(SpeculantError, match="outside the model's vocabulary"):
         Sampler(SamplingConfig(1.0, logit_bias={40: 1.0}), 32)
+    with pytest.raises(SpeculantError, match="bans every token"):
+        Sampler(SamplingConfig(0.0, logit_bias={i: -INF for i in range(4)}), 4)
 
 
 def test_top_token_is_argmax_with_the_first_index_on_ties():
