@@ -116,8 +116,8 @@ class GGUFSource:
                                  f"{k} {qtype.name} values; the file is corrupt")
         data = self.file.raw(t).reshape(rows, rb)
         perm = None
-        c = self.config if hasattr(self, "config") else None
-        if c is not None and c.arch == "llama" and name.rsplit(".", 1)[-1] in ("q", "k"):
+        c = self.config
+        if c.arch == "llama" and name.rsplit(".", 1)[-1] in ("q", "k"):
             heads = c.n_heads if name.endswith(".q") else c.n_kv_heads
             order = _unpermute(torch.arange(rows), heads)  # new row i <- file row order[i]
             perm = torch.empty(rows, dtype=torch.int32)
