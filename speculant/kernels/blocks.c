@@ -10,17 +10,21 @@
  *   h = rms_norm(x); gu = h Wgate_up; x += silu(gate) * up Wdown
  *
  * so its output is bit-identical to that path (tests/test_gguf_kernels.py checks it); it only removes the
- * Python between the kernels. The residual adds are plain float adds, as torch's.
+ * Python between the kernels. The residual adds are plain float adds, as torch's. Tree passes hand
+ * their ancestor mask to the attention; `taps` copies the residual after chosen blocks out (the
+ * hidden states that EAGLE-style drafters read), so asking for them keeps the pass on this path.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* the kernels of gq.c, attention.c and rows.c (one shared library) */
 typedef struct gq_part gq_part;
 int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
               int64_t N, int nthreads);
-int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
-              float *kc, float *vc, int64_t max_len, int64_t start, float *out, int nthreads);
+int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
+                     float *kc, float *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out,
+                     int nthreads);
 void rms_norm_rows(const float *x, const float *w, int64_t S, int64_t D, float eps, float *out);
 void silu_mul_rows(const float *h, int64_t S, int64_t F, float *act);
 
@@ -47,10 +51,12 @@ static void add_rows(float *x, const float *y, int64_t n) {
 
 /* x[S, D] (in/out): the residual stream before the first block, after the last. The KV caches kc,
  * vc are [n_blocks][Hkv][max_len][hd]; the S new rows are written at slots start..start+S-1.
- * cos, sin [S][hd/2] are the rows' rotary tables. Returns 0, or the first kernel's error code. */
-int gq_blocks(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
-              int64_t hd, int64_t F, float eps, const float *cos, const float *sin, float *kc, float *vc,
-              int64_t max_len, int64_t start, int nthreads) {
+ * cos, sin [S][hd/2] are the rows' rotary tables; mask [S][S] (or NULL: causal) as attn_rows_masked;
+ * taps [n_blocks] (or NULL): where taps[l] is not NULL, x after block l is copied there ([S, D]).
+ * Returns 0, or the first kernel's error code. */
+int gq_blocks_ex(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
+                 int64_t hd, int64_t F, float eps, const float *cos, const float *sin, float *kc, float *vc,
+                 int64_t max_len, int64_t start, const uint8_t *mask, float *const *taps, int nthreads) {
     const int64_t W = (H + 2 * Hkv) * hd, A = H * hd;
     /* scratch: h [S, max(D, F)], qkv [S, W], att [S, A], delta [S, D], gu [S, 2F] */
     const int64_t HW = D > F ? D : F;
@@ -64,8 +70,8 @@ int gq_blocks(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int
         rms_norm_rows(x, b->attn_norm, S, D, eps, h);
         if ((rc = mm(&b->qkv, h, S, D, qkv, nthreads)))
             break;
-        if ((rc = attn_rows(qkv, S, H, Hkv, hd, cos, sin, kc + l * layer_cache, vc + l * layer_cache, max_len,
-                            start, att, nthreads)))
+        if ((rc = attn_rows_masked(qkv, S, H, Hkv, hd, cos, sin, kc + l * layer_cache, vc + l * layer_cache,
+                                   max_len, start, mask, att, nthreads)))
             break;
         if ((rc = mm(&b->o, att, S, A, delta, nthreads)))
             break;
@@ -77,7 +83,16 @@ int gq_blocks(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int
         if ((rc = mm(&b->down, h, S, F, delta, nthreads)))
             break;
         add_rows(x, delta, S * D);
+        if (taps && taps[l])
+            memcpy(taps[l], x, sizeof(float) * S * D);
     }
     free(buf);
     return rc;
+}
+
+int gq_blocks(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
+              int64_t hd, int64_t F, float eps, const float *cos, const float *sin, float *kc, float *vc,
+              int64_t max_len, int64_t start, int nthreads) {
+    return gq_blocks_ex(blocks, n_blocks, x, S, D, H, Hkv, hd, F, eps, cos, sin, kc, vc, max_len, start, NULL, NULL,
+                        nthreads);
 }

@@ -21,7 +21,7 @@ from typing import Protocol
 from torch import Tensor
 
 from ..candidates import Dist
-from ..models.transformer import ROW_WISE_MAX
+from ..models.transformer import FINAL_HIDDEN, ROW_WISE_MAX
 from ..tree import DraftTree
 
 # The target scores [pending, *drafts] in one pass. Passes of at most ROW_WISE_MAX tokens compute
@@ -37,10 +37,10 @@ class Draft:
     q: Dist | None  # k rows: the distributions the tokens were drawn from; None = deterministic (one-hot)
 
 
-# The taps value that asks for the final hidden state: the last block's residual after the model's
-# final norm, the lm_head's input (Medusa's and EAGLE's "hidden state"). Layer ids 0..n_layers-1 are
-# the residual stream after that block (EAGLE-3's low/mid/high features).
-FINAL_HIDDEN = -1
+# Taps: layer ids 0..n_layers-1 = the residual stream after that block (EAGLE-3's low/mid/high
+# features); FINAL_HIDDEN (-1) = the last block's residual after the model's final norm, the
+# lm_head's input (Medusa's and EAGLE's "hidden state").
+__all__ = ["FINAL_HIDDEN", "MAX_DRAFT_TOKENS", "Draft", "DraftLength", "DraftLengthConfig", "Drafter"]
 
 
 class Drafter(Protocol):

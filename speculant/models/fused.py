@@ -4,12 +4,14 @@ The C loop runs the kernels Transformer.forward's Python path calls, in the same
 result is bit-identical; it saves the ~0.1 ms of Python per layer that a decode step otherwise
 spends between kernels (8% of the 1.5B target's step, 12% of the 0.5B draft's). It applies where
 every block's linears are `GGMLLinear`s on the CPU and the x86 kernels are built; anything else
-keeps the Python path.
+keeps the Python path. Tree passes (an [S, S] ancestor mask) and taps (the residual after chosen
+blocks, copied out in C) take it too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch import Tensor
@@ -19,6 +21,18 @@ from .cache import KVCache
 from .formats import GGMLLinear
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def bind_tree_kernels(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the argument types of the masked attention and the blocks loop with mask and taps
+    (attention.c, blocks.c) set; the plain entry points are those with no mask and no taps."""
+    lib.attn_rows_masked.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _p, _p, ctypes.c_int]
+    lib.attn_rows_masked.restype = ctypes.c_int
+    lib.gq_blocks_ex.argtypes = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p, _p,
+                                 _i64, _i64, _p, _p, ctypes.c_int]
+    lib.gq_blocks_ex.restype = ctypes.c_int
+    return lib
 
 
 class _Linear(ctypes.Structure):
@@ -61,16 +75,24 @@ class FusedBlocks:
         H, Hkv, hd, F = blocks[0].n_heads, blocks[0].n_kv, blocks[0].hd, blocks[0].hidden_dim
         if hd % 8 or F % 8 or blocks[0].attn_norm.shape[0] % 8:
             return None
-        return cls(blocks, native.library().gq_blocks)
+        return cls(blocks, bind_tree_kernels(native.library()).gq_blocks_ex)
 
-    def __call__(self, x: Tensor, cache: KVCache, start: int, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [S, D] float32 residual stream -> after the last block (in place); writes the cache."""
+    def __call__(self, x: Tensor, cache: KVCache, start: int, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
+                 taps: tuple[int, ...] = ()) -> tuple[Tensor, dict[int, Tensor]]:
+        """x [S, D] float32 residual stream -> (after the last block (in place), {layer: [S, D] after it}
+        for the block ids in `taps`); writes the cache. mask: [S, S] bool over the pass rows, or None."""
         H, Hkv, hd, F = self.dims
         S, D = x.shape
         cos, sin = cos.contiguous(), sin.contiguous()
+        tapped = {layer: x.new_empty(S, D) for layer in taps if 0 <= layer < self.n}
+        ptrs = None
+        if tapped:
+            ptrs = (_p * self.n)(*[tapped[i].data_ptr() if i in tapped else None for i in range(self.n)])
+        if mask is not None:
+            mask = mask.to(torch.bool).contiguous()
         rc = self._fn(ctypes.byref(self.table), self.n, x.data_ptr(), S, D, H, Hkv, hd, F, self.eps, cos.data_ptr(),
                       sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.max_len, start,
-                      torch.get_num_threads())
+                      None if mask is None else mask.data_ptr(), ptrs, torch.get_num_threads())
         if rc:
             raise MemoryError(f"fused blocks failed ({rc}): out of memory for scratch")
-        return x
+        return x, tapped

@@ -5,9 +5,12 @@ The forward pass is the contract every decoding method builds on:
     forward(tokens[S], cache, positions[S] | None, mask[S, L+S] | None, taps) -> Output(logits, taps)
 
 - `tokens` are S new tokens, written to the cache at slots cache.length.. (then length += S).
-- `positions` are their rotary positions (default: their slots). Trees of drafts pass explicit
-  positions (depth) and an explicit boolean `mask` over all L+S visible slots (True = attend).
-- `taps` asks for the residual stream after given layers (EAGLE's features).
+- `positions` are their rotary positions (default: their slots). Trees of drafts (speculant/tree.py)
+  pass explicit positions (base + depth) and a boolean `mask` [S, S] over the pass's own rows (True =
+  attend; the L committed slots are always visible). A mask [S, L+S] over every slot is the general
+  form (SDPA).
+- `taps` asks for the residual stream after given layers (EAGLE's features); FINAL_HIDDEN (-1) for
+  the final normed state, the lm_head's input (Medusa's / EAGLE's hidden state).
 - `logits` can be limited to some rows (`logit_rows`), e.g. only the last one after a prefill.
 
 The cache is an argument, not model state, so one set of weights can serve several caches (a model
@@ -19,13 +22,14 @@ Which route a forward takes (S = tokens in the pass):
 
 | pass | when | attention | linear layers |
 |---|---|---|---|
-| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask/taps, all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
-| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8, taps) | row-wise: `attn_rows` in C where built, else torch per row | the format's kernel |
-| SDPA | S > ROW_WISE_MAX, or an explicit mask (trees) | `F.scaled_dot_product_attention` | the format's kernel; GGML in bf16 where the CPU has AVX512-BF16 |
+| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
+| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_masked` in C where built, else torch per row | the format's kernel |
+| SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML in bf16 where the CPU has AVX512-BF16 |
 | chunked prefill | causal S > PREFILL_CHUNK on the CPU | as SDPA, PREFILL_CHUNK tokens at a time | as SDPA |
 
 Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it
-is scored alone or with drafted tokens, which keeps speculative greedy output identical to `ar`.
+is scored alone or with drafted tokens, and a tree node's whether it is scored in the tree or on its
+path as a chain, which keeps speculative greedy output identical to `ar`. Taps do not change the route.
 """
 
 from __future__ import annotations
@@ -54,11 +58,13 @@ ROW_WISE_MAX = SHORT_PASS_MAX
 # never need more memory than a chunk's.
 PREFILL_CHUNK = 384
 
+FINAL_HIDDEN = -1  # the taps id of the final normed hidden state (the lm_head's input)
+
 
 @dataclass(slots=True)
 class Output:
     logits: Tensor  # [R, V] for the requested rows
-    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [S, D] residual after that layer
+    taps: dict[int, Tensor] = field(default_factory=dict)  # layer -> [S, D] residual after it; FINAL_HIDDEN -> normed
 
 
 class Block(nn.Module):
@@ -74,7 +80,9 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
                 mask: Tensor | None, row_wise: bool) -> Tensor:
-        """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1."""
+        """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1.
+
+        mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S]."""
         h = rms_norm(x, self.attn_norm, self.eps)
         x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise)
         h = self.gate_up(rms_norm(x, self.ffn_norm, self.eps))  # [S, 2F]
@@ -89,8 +97,10 @@ class Block(nn.Module):
             # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c)
             qkv = qkv.contiguous()
             out = torch.empty(S, H * hd, dtype=torch.float32)
-            rc = lib.attn_rows(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
-                           cache.v[layer].data_ptr(), cache.max_len, start, out.data_ptr(), torch.get_num_threads())
+            m = None if mask is None else mask.to(torch.bool).contiguous()
+            rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
+                                      cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len, start,
+                                      None if m is None else m.data_ptr(), out.data_ptr(), torch.get_num_threads())
             if rc:
                 raise MemoryError(f"native attention failed ({rc})")
             return self.o(out)
@@ -104,11 +114,15 @@ class Block(nn.Module):
             # a verification pass over k drafts reproduces one-token decoding bit for bit (batched
             # attention reduces in a different order, and 8-bit activations turn such 1e-7 noise into
             # real flips). Three plain ops per row: for one query SDPA's flash kernel costs more.
+            # A tree row attends to its ancestors: gathered after the committed slots, they are the keys
+            # of the chain that ends at it, in the same order.
             qs = (qk[:, :H] * hd**-0.5).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
+            seen = [slice(0, start + i + 1) if mask is None else
+                    torch.cat([torch.arange(start, device=x.device), start + mask[i].nonzero()[:, 0]]) for i in range(S)]
             out = torch.cat([
-                torch.bmm(torch.bmm(qs[i], k[:, : start + i + 1].transpose(1, 2)).softmax(-1), v[:, : start + i + 1])
+                torch.bmm(torch.bmm(qs[i], k[:, idx].transpose(1, 2)).softmax(-1), v[:, idx])
                 .view(1, H * hd)  # [Hkv, H/Hkv, hd] -> [1, H hd], heads in order
-                for i in range(S)
+                for i, idx in enumerate(seen)
             ])
         else:
             out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
@@ -190,8 +204,8 @@ class Transformer(nn.Module):
         tokens: Tensor,  # [S] long
         cache: KVCache,
         positions: Tensor | None = None,  # [S] long
-        mask: Tensor | None = None,  # [S, L+S] bool, True = attend
-        taps: tuple[int, ...] = (),
+        mask: Tensor | None = None,  # [S, S] bool over the pass rows (a tree), or [S, L+S] over all slots
+        taps: tuple[int, ...] = (),  # layer ids and/or FINAL_HIDDEN
         logit_rows: slice | Tensor | None = None,  # rows of logits to compute (default: all)
         head: QLinear | None = None,  # output projection to use instead of lm_head (a draft's reduced vocabulary)
     ) -> Output:
@@ -201,28 +215,36 @@ class Transformer(nn.Module):
             return self._chunked(tokens, cache, positions, taps, logit_rows, head)
         if positions is None:
             positions = torch.arange(start, end, device=tokens.device)
-        row_wise = mask is None and S <= ROW_WISE_MAX
-        if mask is None and not row_wise:
-            # Causal over the cache: new token i sees slots [0, start + i].
-            mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril_(start)
-        if mask is not None:
-            mask = mask[None, None]  # [1, 1, S, L+S]
+        tree = mask is not None and tuple(mask.shape) == (S, S)
+        if mask is not None and not tree and tuple(mask.shape) != (S, end):
+            raise SpeculantError(f"attention mask must be [{S}, {S}] (over the pass) or [{S}, {end}] (over every "
+                                 f"slot), got {list(mask.shape)}")
+        row_wise = S <= ROW_WISE_MAX and (mask is None or tree)
+        if not row_wise:
+            if mask is None:  # causal over the cache: new token i sees slots [0, start + i]
+                mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril_(start)
+            elif tree:  # the committed slots, then the tree's own rows
+                mask = torch.cat([mask.new_ones(S, start), mask], 1)
+            mask = mask.to(torch.bool)[None, None]  # [1, 1, S, L+S]
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
         x = self.embed(tokens)  # [S, D]
-        tapped: dict[int, Tensor] = {}
-        fused = self.fused_blocks() if row_wise and not taps else None
+        fused = self.fused_blocks() if row_wise else None
         if fused is not None:
-            x = fused(x, cache, start, cos, sin)
+            x, tapped = fused(x, cache, start, cos, sin, mask, taps)
         else:
+            tapped = {}
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cache, i, start, cos, sin, mask, row_wise)
                 if i in taps:
                     tapped[i] = x
         cache.length = end
-        if logit_rows is not None:
-            x = x[logit_rows]
-        logits = (head or self.lm_head)(rms_norm(x, self.norm, self.cfg.norm_eps))
-        return Output(logits, tapped)
+        if FINAL_HIDDEN in taps:  # rms_norm is row by row: the logit rows are those of the full result
+            h = rms_norm(x, self.norm, self.cfg.norm_eps)
+            tapped[FINAL_HIDDEN] = h
+            h = h if logit_rows is None else h[logit_rows]
+        else:
+            h = rms_norm(x if logit_rows is None else x[logit_rows], self.norm, self.cfg.norm_eps)
+        return Output((head or self.lm_head)(h), tapped)
 
     def _chunked(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, taps: tuple[int, ...],
                  logit_rows: slice | Tensor | None, head: QLinear | None) -> Output:
@@ -271,9 +293,10 @@ def swiglu(h: Tensor, hidden: int) -> Tensor:
 def native_kernels():
     """The C kernels of short passes and per-row ops (speculant/kernels/), or None where they cannot be built."""
     from . import native
+    from .fused import bind_tree_kernels
 
     try:
-        return native.library()
+        return bind_tree_kernels(native.library())
     except SpeculantError:
         return None
 

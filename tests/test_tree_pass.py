@@ -1,0 +1,117 @@
+"""Tree passes: every node's logits and taps are bit-identical to its path scored as a chain and one
+token at a time, on the fused C path, the per-layer C path and the torch fallback; the kept path
+leaves the KV cache the chain would have.
+
+float32 linears (MKL's GEMM) round differently for different row counts, so in float32 a node is
+compared with its path scored as a chain padded to the tree pass's row count (rows after the path
+cannot change it): that checks the masked attention bit for bit. The GGML formats' integer kernel is
+batch-invariant, so there a node also equals its path scored one token at a time."""
+
+import pytest
+import torch
+
+import speculant.models.transformer as tr
+from speculant.models.cache import KVCache
+from speculant.models.transformer import FINAL_HIDDEN
+from speculant.tree import DraftTree
+
+from conftest import tiny_model
+
+
+def clone(c: KVCache) -> KVCache:
+    n = KVCache(c.k.shape[0], c.k.shape[1], c.k.shape[3], c.max_len, c.k.dtype, c.k.device)
+    n.k.copy_(c.k), n.v.copy_(c.v)
+    n.length = c.length
+    return n
+
+
+def random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+    return DraftTree(torch.randint(0, vocab, (n,), generator=g), parents)
+
+
+def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_HIDDEN), invariant=True):
+    """invariant: the linears are batch-invariant (GGML); else chains are padded to the pass's rows."""
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(128)
+    model(torch.randint(0, V, (prompt_len,), generator=g), cache, logit_rows=slice(0, 0))
+    base = cache.length
+    pending = torch.randint(0, V, (1,), generator=g)
+    tree = random_tree(n_nodes, V, g)
+    tc = clone(cache)
+    out = model(torch.cat([pending, tree.tokens]), tc, positions=tree.positions(base), mask=tree.ancestor_mask(),
+                taps=taps)
+    assert tc.length == base + 1 + n_nodes
+    for i in [-1] + list(range(n_nodes)):
+        path = tree.path(i)
+        chain = clone(cache)
+        pad = [] if invariant else torch.randint(0, V, (n_nodes - len(path),), generator=g)
+        ref = model(torch.cat([pending, tree.tokens[path], *([pad] if len(pad) else [])]), chain, taps=taps)
+        row, last = i + 1, len(path)
+        assert torch.equal(out.logits[row], ref.logits[last]), (i, path)
+        for t in taps:
+            assert torch.equal(out.taps[t][row], ref.taps[t][last]), (i, t)
+        if not invariant:
+            continue
+        step = clone(cache)  # one token at a time
+        for tok in torch.cat([pending, tree.tokens[path]]):
+            one = model(tok[None], step)
+        assert torch.equal(out.logits[row], one.logits[0])
+    # keep the deepest path: the cache is the chain's
+    leaf = max(range(n_nodes), key=lambda j: tree.depth[j])
+    path = tree.path(leaf)
+    tc.keep(base, torch.tensor([0] + [p + 1 for p in path]))
+    chain = clone(cache)
+    model(torch.cat([pending, tree.tokens[path]]), chain)
+    if not invariant:
+        return
+    assert tc.length == chain.length
+    assert torch.equal(tc.k[:, :, : tc.length], chain.k[:, :, : tc.length])
+    assert torch.equal(tc.v[:, :, : tc.length], chain.v[:, :, : tc.length])
+
+
+@pytest.mark.parametrize("fmt", ["float32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("prompt_len", [5, 16, 21])
+def test_tree_rows_equal_their_chains(fmt, prompt_len):
+    model = tiny_model(40, seed=3, dim=64, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt).model
+    if fmt != "float32" and tr.native_kernels() is not None:
+        assert model.fused_blocks() is not None  # the fused C path is the one under test
+    exact = fmt != "float32"
+    check_tree(model, prompt_len, 14, seed=prompt_len, invariant=exact)
+    check_tree(model, prompt_len, 31, seed=prompt_len + 1, invariant=exact)  # the largest short pass
+
+
+def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch):
+    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0").model
+    model._fused = False  # the per-layer path: attn_rows_masked in C, linears per layer
+    check_tree(model, 11, 12, seed=0, taps=(1, FINAL_HIDDEN))
+    monkeypatch.setattr(tr, "native_kernels", lambda: None)  # torch only (no compiler / not x86)
+    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2).model
+    check_tree(model, 11, 12, seed=1, invariant=False)
+
+
+def test_long_tree_passes_take_sdpa_and_bad_masks_are_clear_errors():
+    model = tiny_model(40, seed=5, dim=64, heads=4, kv_heads=2, hidden=128).model
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(128)
+    model(torch.randint(0, 40, (9,), generator=g), cache)
+    tree = random_tree(39, 40, g)
+    tokens = torch.cat([torch.tensor([1]), tree.tokens])
+    a = model(tokens, clone(cache), positions=tree.positions(9), mask=tree.ancestor_mask()).logits
+    full = torch.cat([torch.ones(40, 9, dtype=torch.bool), tree.ancestor_mask()], 1)
+    b = model(tokens, clone(cache), positions=tree.positions(9), mask=full).logits
+    assert torch.equal(a, b)
+    leaf = max(range(39), key=lambda j: tree.depth[j])
+    ref = model(torch.cat([torch.tensor([1]), tree.tokens[tree.path(leaf)]]), clone(cache)).logits[-1]
+    torch.testing.assert_close(a[leaf + 1], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(Exception, match="attention mask must be"):
+        model(tokens[:4], clone(cache), mask=torch.ones(4, 5, dtype=torch.bool))
+
+
+@pytest.mark.real
+def test_real_smollm2_tree_rows_equal_their_chains(real_model_cache):
+    model = real_model_cache("smollm2-135m-instruct", "gguf").model
+    assert model.fused_blocks() is not None
+    n_layers = model.cfg.n_layers
+    check_tree(model, 37, 20, seed=0, taps=(2, n_layers // 2, n_layers - 1, FINAL_HIDDEN))
