@@ -21,19 +21,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SpeculantError
-from .methods.base import DraftLength, DraftLengthConfig, Drafter
+from .methods.base import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig, Drafter
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
+from .methods.lookup_tree import LookupTreeConfig, LookupTreeDrafter
 from .models import LoadedModel
 from .prefix import KeptPrefix, PromptCache
 from .runtime import configure_threads
 from .sampling import Sampler, SamplingConfig
 from .stats import Stats
+from .tree import DraftTree
+from .tree_round import tree_round
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
 
-METHODS = ("ar", "draft", "lookup", "hybrid")
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree")
 MODEL_METHODS = ("draft", "hybrid")  # the methods that need a draft model
 
 
@@ -59,6 +62,7 @@ class MethodConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
+    lookup_tree: LookupTreeConfig = field(default_factory=LookupTreeConfig)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -71,6 +75,8 @@ _SPEC_KEYS = {
     "vocab": ("draft_model", "vocab", int), "ngram": ("lookup", "max_ngram", int),
     "ngram_min": ("lookup", "min_ngram", int), "ctx": ("draft_model", "context", int),
     "check": ("hybrid", "check", str),
+    "branches": ("lookup_tree", "branches", int), "nodes": ("lookup_tree", "nodes", int),
+    "depth": ("lookup_tree", "depth", int),
 }
 
 
@@ -201,6 +207,8 @@ class Engine:
         m = self.method
         if m.name == "lookup":
             return LookupDrafter(m.lookup, self.target.model.device)
+        if m.name == "lookup_tree":
+            return LookupTreeDrafter(m.lookup_tree, m.lookup, self.target.model.device)
         if m.name in MODEL_METHODS:
             assert self.draft is not None
             dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)
@@ -229,7 +237,8 @@ class Engine:
         model = self.target.model
         sampling = gen.sampling
         device = model.device
-        k_max = self.method.draft_length.max_k if self.method.name != "ar" else 0
+        # tree drafters (tree.py) declare their nodes per round, chains follow the draft-length policy
+        k_max = 0 if self.method.name == "ar" else max(self.method.draft_length.max_k, MAX_DRAFT_TOKENS)
         max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
         kept = cache or self.prompt_cache(reuse=False)
         cache = kept.target.cache_for(max_len)
@@ -238,14 +247,17 @@ class Engine:
         sampler.start(ids)
         drafter = self._drafter(sampler, max_len, kept.draft)
         policy = DraftLength(self.method.draft_length)
+        nodes = getattr(drafter, "nodes", None)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
             stops = frozenset()
         out = _Output(self.tokenizer, gen, stops)
         stats = Stats(method=self.method.name, prompt_tokens=len(ids))
 
+        # hidden states the drafter reads (methods/base.py): asked of every target forward, handed over
+        taps: tuple[int, ...] = tuple(getattr(drafter, "taps", ())) if drafter is not None else ()
         t0 = time.perf_counter()
-        pre = kept.target.prefill(ids, max_len, logits=True)
+        pre = kept.target.prefill(ids, max_len, logits=True, taps=taps)
         logits = pre.logits  # [1, V]
         first = int(sampler.pick(logits))
         sampler.push([first])
@@ -255,7 +267,7 @@ class Engine:
         yield from out.push([first])  # before the drafter's prefill: the time to the first token is the target's
         t_draft = time.perf_counter()
         if drafter is not None and not out.finished:
-            drafter.start(ids)
+            drafter.start(ids, **({"hidden": pre.hidden} if taps else {}))
         t_decode = time.perf_counter()
         stats.prefill_seconds += t_decode - t_draft
         pending = first
@@ -264,14 +276,25 @@ class Engine:
             if room < 0:
                 out.finish("length")
                 break
-            k = min(policy.k, gen.max_new_tokens - out.count - 1, room) if drafter is not None else 0
+            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if drafter is not None else 0
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()
+            if isinstance(draft, DraftTree):  # every node in one pass, the accepted path kept (tree_round.py)
+                r = tree_round(model, cache, sampler, pending, draft, taps)
+                new, kd, n = r.tokens, draft.size, len(r.tokens) - 1
+                sampler.push(new)
+                drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
+                policy.update(n, kd)
+                self._finish_round(stats, ta, tb, kd, n)
+                yield from out.push(new, drafted=n, proposed=kd)
+                pending = new[-1]
+                continue
             drafted = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=device)
             kd = int(drafted.shape[0])
             base = cache.length
-            logits = model(torch.cat([drafted.new_tensor([pending]), drafted]), cache).logits  # [kd+1, V]
+            fwd = model(torch.cat([drafted.new_tensor([pending]), drafted]), cache, taps=taps)
+            logits = fwd.logits  # [kd+1, V]
             # row j follows the drafts before it: the penalties count them (reading them is a host sync)
             prefix = drafted.tolist() if sampler.penalized else ()
             if sampler.generator is None:
@@ -284,18 +307,22 @@ class Engine:
             sampler.push(new)
             cache.rollback(base + 1 + n)
             if drafter is not None:
-                drafter.commit([pending] + new[:n], kd)
+                hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
+                drafter.commit([pending] + new[:n], kd, **hidden)
                 policy.update(n, kd)
-            tc = time.perf_counter()
-            stats.draft_seconds += tb - ta
-            stats.target_seconds += tc - tb
-            stats.record_round(kd, n)
+            self._finish_round(stats, ta, tb, kd, n)
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
         stats.generated_tokens = out.count
         yield from out.flush()
         yield Done(out.text, out.token_ids, out.reason, stats)
+
+    @staticmethod
+    def _finish_round(stats: Stats, ta: float, tb: float, kd: int, n: int) -> None:
+        stats.draft_seconds += tb - ta
+        stats.target_seconds += time.perf_counter() - tb
+        stats.record_round(kd, n)
 
 
 class _Output:

@@ -54,6 +54,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefillResult:
     logits: torch.Tensor | None  # [1, V] of the last token, if asked for
     reused: int  # leading tokens whose keys/values came from the cache
+    hidden: dict[int, torch.Tensor] | None = None  # taps asked for: {tap: [len(ids) - reused, D]}
 
 
 class KeptPrefix:
@@ -80,8 +81,11 @@ class KeptPrefix:
             self.cache = c = new
         return c
 
-    def prefill(self, ids: list[int], max_len: int, *, logits: bool, rows: int | None = None) -> PrefillResult:
+    def prefill(self, ids: list[int], max_len: int, *, logits: bool, rows: int | None = None,
+                taps: tuple[int, ...] = ()) -> PrefillResult:
         """Fill the cache with `ids` (the logits of the last one if `logits`), reusing what it holds.
+
+        `taps` (Transformer.forward's): the hidden states of the tokens prefilled (not of those reused).
 
         `rows`: the model's embedding rows; larger ids (a target's padding ids fed to a smaller draft)
         read the last row, as DraftModelDrafter does.
@@ -98,17 +102,21 @@ class KeptPrefix:
         self.tokens, self.starts = ids[:reused], {s for s in starts if s <= reused}
         device = self.model.device
         out = None
+        hidden: dict[int, list[torch.Tensor]] = {t: [] for t in taps}
         for s, e in zip(starts, ends):
             if e <= reused:
                 continue
             last = logits and e == len(ids)
             piece = ids[s:e] if rows is None else [min(t, rows - 1) for t in ids[s:e]]
             out = self.model(torch.tensor(piece, device=device), cache,
-                             logit_rows=slice(-1, None) if last else slice(0, 0))
+                             logit_rows=slice(-1, None) if last else slice(0, 0), taps=taps)
+            for t in taps:
+                hidden[t].append(out.taps[t])
             # Kept as each pass completes: an interrupted prefill leaves a valid (shorter) prefix.
             self.tokens = ids[:e]
             self.starts.update((s, e))
-        return PrefillResult(out.logits if logits and out is not None else None, reused)
+        return PrefillResult(out.logits if logits and out is not None else None, reused,
+                             {t: torch.cat(h) for t, h in hidden.items()} if taps else None)
 
     def forget(self) -> None:
         self.tokens, self.starts = [], set()

@@ -149,15 +149,19 @@ class Sampler:
                 if not self._counts[old]:
                     del self._counts[old]
 
-    def adjust(self, logits: Tensor, drafted: Sequence[int] = ()) -> Tensor:
+    def adjust(self, logits: Tensor, drafted: Sequence[int] = (),
+               paths: Sequence[Sequence[int]] | None = None) -> Tensor:
         """logits [R, W] -> [R, W] float32 with logit bias and penalties (the input when there are none).
 
         The rows score the R positions that end after `drafted` (tokens past the context, at least
-        R - 1): row j follows the context + drafted[: len(drafted) - R + 1 + j]. W may be below the
-        vocabulary (a draft model's reduced output layer): ids past it are skipped.
+        R - 1): row j follows the context + drafted[: len(drafted) - R + 1 + j]. Rows of a tree of
+        drafts pass `paths` instead: row j follows the context + paths[j] (its own ancestors). W may be
+        below the vocabulary (a draft model's reduced output layer): ids past it are skipped.
         """
         if not self.active:
             return logits
+        if paths is not None and self.penalized:
+            return torch.cat([self.adjust(logits[j : j + 1], path) for j, path in enumerate(paths)])
         R, W = logits.shape
         x = logits.float()
         x = x.clone() if x is logits else x
@@ -208,10 +212,10 @@ class Sampler:
                         del counts[old]
         return rows, ids, cnt
 
-    def dist(self, logits: Tensor, drafted: Sequence[int] = ()) -> Dist:
+    def dist(self, logits: Tensor, drafted: Sequence[int] = (), paths: Sequence[Sequence[int]] | None = None) -> Dist:
         """logits [R, W] -> the sampling distributions of the R rows (not for greedy; rows as in adjust)."""
         c = self.cfg
-        return truncated(self.adjust(logits, drafted), c.temperature, c.top_k, c.top_p, c.min_p)
+        return truncated(self.adjust(logits, drafted, paths), c.temperature, c.top_k, c.top_p, c.min_p)
 
     def pick(self, logits: Tensor, drafted: Sequence[int] = ()) -> Tensor:
         """One token per row: the top token (greedy) or a draw. logits [R, W] -> [R] long."""

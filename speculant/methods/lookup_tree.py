@@ -1,0 +1,109 @@
+"""Prompt lookup with several candidate continuations, verified as one tree.
+
+Plain prompt lookup (lookup.py) copies what followed the latest earlier occurrence of the longest
+matching n-gram. Text often repeats with variations (a name used in several statements, a line
+pattern with different arguments), so the latest occurrence is often the wrong one. This drafter
+keeps the last `branches` occurrences of every n-gram, takes the continuations of the longest
+n-grams first and the most recent occurrences first, and merges them into a trie under pending:
+shared prefixes cost one node, and the target checks every branch in its one pass
+(tree_round.py), keeping the longest accepted one.
+
+Every node is a function of the context alone, so the tree is deterministic (q = None): exact
+under greedy decoding and sampling alike (verify_tree.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculantError
+from ..tree import DraftTree
+from .base import MAX_DRAFT_TOKENS
+from .lookup import LookupConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LookupTreeConfig:
+    branches: int = 4  # candidate continuations at most (earlier occurrences per n-gram kept)
+    nodes: int = 16  # tree nodes per round at most (the target scores 1 + nodes rows)
+    depth: int = 8  # tokens per continuation at most
+
+    def __post_init__(self) -> None:
+        if self.branches < 1:
+            raise SpeculantError(f"lookup tree branches must be >= 1, got {self.branches}")
+        if not 1 <= self.nodes <= MAX_DRAFT_TOKENS:
+            raise SpeculantError(f"tree nodes must be in 1..{MAX_DRAFT_TOKENS} (the target checks 1 + nodes "
+                                 f"tokens in one batch-invariant pass), got {self.nodes}")
+        if self.depth < 1:
+            raise SpeculantError(f"lookup tree depth must be >= 1, got {self.depth}")
+
+
+class LookupTreeDrafter:
+    name = "lookup_tree"
+
+    def __init__(self, cfg: LookupTreeConfig, lookup: LookupConfig, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.lookup = lookup.resolved(1)
+        self.nodes = cfg.nodes  # the engine's per-round budget for tree drafters
+        self.device = device
+        self.history: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions after its latest occurrences
+
+    def start(self, prompt: list[int]) -> None:
+        self.history = []
+        self.index = {}
+        for t in prompt:
+            self._push(t)
+
+    def _push(self, token: int) -> None:
+        h = self.history
+        h.append(token)
+        end = len(h) - 1
+        for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1):
+            if end - n >= 0:
+                seen = self.index.setdefault(tuple(h[end - n : end]), [])
+                seen.append(end)
+                if len(seen) > self.cfg.branches:
+                    del seen[0]
+
+    def continuations(self, pending: int) -> list[list[int]]:
+        """Up to `branches` distinct continuations, longest n-gram and most recent occurrence first."""
+        h = self.history
+        h.append(pending)
+        out: list[list[int]] = []
+        try:
+            for n in range(self.lookup.max_ngram, self.lookup.min_ngram - 1, -1):
+                if len(h) < n:
+                    continue
+                for start in reversed(self.index.get(tuple(h[-n:]), ())):
+                    cont = h[start : start + self.cfg.depth]
+                    if cont and cont not in out:
+                        out.append(cont)
+                        if len(out) == self.cfg.branches:
+                            return out
+            return out
+        finally:
+            h.pop()
+
+    def propose(self, pending: int, k: int) -> DraftTree:
+        tokens: list[int] = []
+        parents: list[int] = []
+        trie: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for cont in self.continuations(pending):
+            par = -1
+            for t in cont:
+                node = trie.get((par, t))
+                if node is None:
+                    if len(tokens) >= k:
+                        break
+                    node = trie[(par, t)] = len(tokens)
+                    tokens.append(t)
+                    parents.append(par)
+                par = node
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self.device), parents)
+
+    def commit(self, accepted: list[int], n_drafted: int, path: list[int] | None = None) -> None:
+        for t in accepted:
+            self._push(t)
