@@ -25,7 +25,10 @@ from .methods.base import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig, Draf
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
+from .heads.runtime import HeadsConfig, load_heads
+from .methods.eagle import EagleDrafter
 from .methods.lookup_tree import LookupTreeConfig, LookupTreeDrafter
+from .methods.medusa import MedusaDrafter
 from .models import LoadedModel
 from .prefix import KeptPrefix, PromptCache
 from .runtime import configure_threads
@@ -36,7 +39,8 @@ from .tree_round import tree_round
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
 
-METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree")
+HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", *HEAD_METHODS)
 MODEL_METHODS = ("draft", "hybrid")  # the methods that need a draft model
 
 
@@ -63,6 +67,7 @@ class MethodConfig:
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     lookup_tree: LookupTreeConfig = field(default_factory=LookupTreeConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -78,6 +83,9 @@ _SPEC_KEYS = {
     "branches": ("lookup_tree", "branches", int), "nodes": ("lookup_tree", "nodes", int),
     "depth": ("lookup_tree", "depth", int),
 }
+# options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
+_HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
+              "heads": ("heads", "name", str)}
 
 
 def method_name(spec: str) -> str:
@@ -94,9 +102,10 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     parts: dict[str, dict[str, object]] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or key not in _SPEC_KEYS:
-            raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(_SPEC_KEYS)}")
-        group, field_name, cast = _SPEC_KEYS[key]
+        keys = _HEAD_KEYS if cfg.name in HEAD_METHODS else _SPEC_KEYS
+        if not eq or key not in keys:
+            raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(keys)}")
+        group, field_name, cast = keys[key]
         try:
             parts.setdefault(group, {})[field_name] = cast(value)
         except ValueError:
@@ -146,6 +155,9 @@ class Engine:
             head = self._draft_head or draft.model.lm_head
             self._draft_cost = ((draft.model.weight_bytes_per_token() - draft.model.lm_head.weight_bytes()
                                  + head.weight_bytes()) / target.model.weight_bytes_per_token())
+        self._head = None  # the draft head of a head method, loaded once per engine
+        if self.method.name in HEAD_METHODS:
+            self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
         self.tokenizer = target.tokenizer
         self._specials = self.tokenizer.special_ids()  # where prefill passes start (prefix.pass_starts)
 
@@ -209,6 +221,10 @@ class Engine:
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name == "lookup_tree":
             return LookupTreeDrafter(m.lookup_tree, m.lookup, self.target.model.device)
+        if m.name == "medusa":
+            return MedusaDrafter(self._head, m.heads, self._head_stats.get("val", {}).get("ranks"))
+        if m.name in HEAD_METHODS:
+            return EagleDrafter(self._head, self.target.model, m.heads, max_len)
         if m.name in MODEL_METHODS:
             assert self.draft is not None
             dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)

@@ -1,0 +1,78 @@
+"""`speculant train-heads` and `speculant export-heads`: argument parsing around train.py and formats.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import SpeculantError
+
+
+def add_heads_parsers(sub) -> None:
+    t = sub.add_parser("train-heads", help="train draft heads (medusa, eagle2, eagle3) for a model on this machine")
+    t.add_argument("--method", required=True, choices=("medusa", "eagle2", "eagle3"), help="which head")
+    t.add_argument("--model", "-m", default="qwen2.5-coder-1.5b-instruct", help="target: preset, .gguf or HF folder")
+    t.add_argument("--dtype", default=None, help="the target's weight format (default: as generate)")
+    t.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="training text: files or folders (default: this Python's standard library sources and "
+                        "installed packages' docs; never HumanEval or Spec-Bench)")
+    t.add_argument("--tokens", type=int, default=None,
+                   help="training tokens to extract (default: 100,000 for models under 1B parameters, 60,000 above)")
+    t.add_argument("--minutes", type=float, default=5.0, help="time budget, extraction included (default 5)")
+    t.add_argument("--out", default=None, help="output folder (default: SPECULANT_HOME/heads/MODEL-METHOD)")
+    t.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head proposes (default 16384)")
+    t.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
+    t.add_argument("--steps", type=int, default=3, help="eagle: unrolled draft steps in training (default 3)")
+    t.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head's layer (default: the target's)")
+    t.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    t.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3 medusa, 2e-3 eagle)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=None, help="CPU threads")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    e = sub.add_parser("export-heads", help="write an eagle3 head in the speculators layout (vLLM, SGLang)")
+    e.add_argument("heads", help="head name (SPECULANT_HOME/heads/NAME) or folder")
+    e.add_argument("out", help="output folder")
+    e.add_argument("--model", "-m", default="qwen2.5-coder-1.5b-instruct", help="the head's target")
+
+
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from ..models import load_model
+    from ..runtime import configure_threads
+    from .data import DataConfig, default_sources, expand
+    from .store import default_name, heads_dir
+    from .train import TrainConfig, train
+
+    configure_threads(args.threads)
+    tcfg = TrainConfig(args.method, args.minutes, args.batch, args.lr, args.steps, args.draft_vocab, args.heads,
+                       args.intermediate, seed=args.seed)
+    files = expand(args.data) if args.data else default_sources()
+    target = load_model(args.model, args.dtype, progress=not args.no_progress)
+    n_params = sum(p.numel() for p in target.model.parameters())
+    tokens = args.tokens or (100_000 if target.config.dim < 1024 else 60_000)
+    dcfg = DataConfig(seq_len=args.seq_len, tokens=tokens, seed=args.seed)
+    out = Path(args.out) if args.out else heads_dir() / default_name(args.model, args.method)
+    print(f"training {args.method} heads for {args.model} ({len(files)} source files, {tokens} tokens, "
+          f"{args.minutes:g} min) -> {out}", file=sys.stderr)
+    del n_params
+    stats = train(target, tcfg, dcfg, files, out, progress=not args.no_progress)
+    print(json.dumps({"heads": str(out), **{k: stats[k] for k in ("val", "steps", "epochs", "train_tokens",
+                                                               "extract_seconds", "total_seconds")}}))
+    return 0
+
+
+def cmd_export_heads(args: argparse.Namespace) -> int:
+    from ..models import load_model
+    from .formats import export_speculators, load_head
+    from .store import resolve_heads
+
+    target = load_model(args.model, progress=False)
+    folder = resolve_heads(args.heads, args.model, "eagle3")
+    head, _ = load_head(folder, target.config)
+    if head.cfg.method != "eagle3":
+        raise SpeculantError(f"{folder} holds {head.cfg.method} heads; only eagle3 exports to the speculators layout")
+    print(export_speculators(head, Path(args.out), target.config, args.model))
+    return 0

@@ -1,0 +1,48 @@
+"""Heads at decoding time: the options of the head methods and loading a head for a target.
+
+A head is loaded once per engine: read (any layout formats.py knows), checked against the target,
+its output rows attached where it reuses the target's (EAGLE-1/2 layout), and its linear layers put
+in a block format (layer.inference_format) so that a draft step reads few bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SpeculantError
+from ..methods.base import MAX_DRAFT_TOKENS
+from .formats import load_head
+from .layer import inference_format
+from .modules import EagleHead, MedusaHeads, for_inference, init_from_target
+from .store import resolve_heads
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsConfig:
+    """`--heads` and the tree the head methods propose each round."""
+
+    name: str | None = None  # NAME under SPECULANT_HOME/heads, a folder, or None: MODEL-METHOD
+    # Tree nodes the target checks per round (the pass has 1 + nodes rows). On this CPU a pass of
+    # 1 + 10 rows costs ~1.4 one-token passes; more nodes buy less acceptance than they cost.
+    nodes: int = 10
+    depth: int = 5  # EAGLE: draft steps (tree depth) per round
+    topk: int = 4  # EAGLE: children per expanded node, and nodes expanded per step
+    fmt: str | None = None  # the head's weight format (None: q8_0 where the GGML kernels run, else float32)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= MAX_DRAFT_TOKENS:
+            raise SpeculantError(f"tree nodes must be in 1..{MAX_DRAFT_TOKENS} (the target checks 1 + nodes rows in "
+                                 f"one batch-invariant pass), got {self.nodes}")
+        if self.depth < 1 or self.topk < 1:
+            raise SpeculantError(f"tree depth and topk must be >= 1, got {self.depth} and {self.topk}")
+
+
+def load_heads(target, method: str, cfg: HeadsConfig) -> tuple[MedusaHeads | EagleHead, dict]:
+    """The head of `--method method --heads cfg.name` for `target` (a LoadedModel), ready to draft."""
+    folder = resolve_heads(cfg.name, target.name, method)
+    head, stats = load_head(folder, target.config)
+    if head.cfg.method != method:
+        raise SpeculantError(f"{folder} holds {head.cfg.method} heads, not {method}; use --method {head.cfg.method}")
+    if isinstance(head, EagleHead) and not head.cfg.own_lm_head:
+        init_from_target(head, target.model)
+    return for_inference(head, cfg.fmt or inference_format()), stats

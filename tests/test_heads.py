@@ -1,0 +1,129 @@
+"""Draft heads through the engine: greedy output identical to `ar`, sampled output with the target's
+distribution, trees within budget, and the head's cost per draft step."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_model
+from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_method
+from speculant.errors import SpeculantError
+from speculant.heads.config import default_config
+from speculant.heads.formats import save_head
+from speculant.heads.modules import build_head, init_from_target
+from speculant.heads.runtime import HeadsConfig
+from speculant.methods.medusa import static_tree
+from speculant.sampling import SamplingConfig
+from test_engine import PENALTIES, PROMPT, _exact_marginals
+
+METHODS = ("medusa", "eagle2", "eagle3")
+
+
+def random_head(target, method: str, folder, *, draft_vocab: int | None = None, seed: int = 0, scale: float = 2.0):
+    """A random head saved as a checkpoint folder (outputs start at the target's rows, layers random)."""
+    torch.manual_seed(seed)
+    cfg = default_config(method, target.config, draft_vocab or target.config.vocab_size, medusa_heads=3)
+    head = build_head(cfg)
+    V = target.config.vocab_size
+    head.set_vocab(torch.randperm(V)[: cfg.draft_vocab].sort().values)
+    init_from_target(head, target.model)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2 and "lm_head" not in name:
+                p.normal_(0, scale / p.shape[1] ** 0.5)
+    return save_head(head, folder / f"{method}-{seed}")
+
+
+def engine(target, method: str, folder, **heads) -> Engine:
+    return Engine(target, method=MethodConfig(method, heads=HeadsConfig(name=str(folder), **heads)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+def test_greedy_identical_to_ar(method, fmt, tmp_path):
+    target = tiny_model(32, seed=1, logit_scale=3.0, layers=4)
+    gen = GenerationConfig(max_new_tokens=40)
+    ref = Engine(target).generate(PROMPT, gen).token_ids
+    drafted = accepted = 0
+    for seed in range(3):
+        folder = random_head(target, method, tmp_path, draft_vocab=24 if method != "eagle2" else None, seed=seed)
+        e = engine(target, method, folder, nodes=8, depth=4, topk=3, fmt=fmt)
+        done = e.generate(PROMPT, gen)
+        assert done.token_ids == ref, (method, seed)
+        drafted += done.stats.drafted_tokens
+        accepted += done.stats.accepted_tokens
+        assert done.stats.drafted_tokens <= 8 * done.stats.rounds
+    assert drafted > 0 and accepted > 0  # the trees were checked, and some of their tokens taken
+
+
+def test_greedy_with_prompt_cache_and_short_budget(tmp_path):
+    """A reused prompt prefix has no hidden rows; the last rounds have room for fewer nodes than asked."""
+    target = tiny_model(32, seed=2, logit_scale=3.0, layers=4)
+    gen = GenerationConfig(max_new_tokens=13)
+    for method in METHODS:
+        folder = random_head(target, method, tmp_path, seed=7)
+        e = engine(target, method, folder, nodes=12)
+        cache = e.prompt_cache()
+        first = e.generate(PROMPT, gen, cache=cache).token_ids
+        longer = PROMPT + first + [3, 4]
+        assert e.generate(longer, gen, cache=cache).token_ids == Engine(target).generate(longer, gen).token_ids
+
+
+V, RUNS = 4, 1500
+
+
+@pytest.mark.parametrize("method, sampling", [
+    ("eagle3", SamplingConfig(1.0)),
+    ("eagle2", SamplingConfig(0.8, top_k=3)),
+    ("medusa", PENALTIES),
+])
+def test_sampled_distribution_exact(method, sampling, tmp_path):
+    """Chi-square of every position against the target-only marginals (head trees are deterministic:
+    q = None), with acceptance strictly between none and all."""
+    target = tiny_model(V, seed=5, logit_scale=0.2, layers=3)
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    n_tok = 4
+    exp = _exact_marginals(target, prompt, sampling, n_tok)
+    e = engine(target, method, random_head(target, method, tmp_path, seed=3), nodes=5, depth=3, topk=2)
+    counts = torch.zeros(n_tok, V)
+    drafted = accepted = 0
+    for i in range(RUNS):
+        done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=replace(sampling, seed=1000 + i)))
+        counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
+        drafted += done.stats.drafted_tokens
+        accepted += done.stats.accepted_tokens
+    assert 0 < accepted < drafted
+    for j in range(n_tok):
+        keep = exp[j] * RUNS > 5
+        obs, ex = counts[j][keep], exp[j][keep] * RUNS
+        assert chisquare(obs.numpy(), (ex * obs.sum() / ex.sum()).numpy()).pvalue > 1e-3, (method, j)
+
+
+def test_static_tree_is_prefix_closed_and_best_first():
+    ranks = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    paths = static_tree(ranks, 8)
+    assert paths[:3] == [(0,), (0, 0), (1,)]  # 0.6, 0.24, 0.2
+    for i, p in enumerate(paths):
+        assert len(p) == 1 or p[:-1] in paths[:i]
+    value = [torch.tensor([ranks[d][r] for d, r in enumerate(p)]).prod() for p in paths]
+    assert all(a >= b for a, b in zip(value, value[1:]))
+
+
+def test_method_options_and_errors(tmp_path):
+    cfg = parse_method("eagle3:nodes=12,depth=6,topk=3,heads=foo")
+    assert (cfg.heads.nodes, cfg.heads.depth, cfg.heads.topk, cfg.heads.name) == (12, 6, 3, "foo")
+    with pytest.raises(SpeculantError, match="tree nodes"):
+        parse_method("eagle3:nodes=40")
+    with pytest.raises(SpeculantError, match="bad method option"):
+        parse_method("medusa:branches=2")
+    target = tiny_model(32, seed=1)
+    with pytest.raises(SpeculantError, match="train-heads"):
+        engine(target, "eagle3", tmp_path / "missing")
+    folder = random_head(target, "eagle2", tmp_path)
+    with pytest.raises(SpeculantError, match="use --method eagle2"):
+        engine(target, "eagle3", folder)
+    other = tiny_model(32, seed=1, dim=64)
+    with pytest.raises(SpeculantError, match="width"):
+        engine(other, "eagle2", folder)
