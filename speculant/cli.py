@@ -21,10 +21,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
     p.add_argument("--draft", "-d", default=None,
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
-    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid"), default=None,
+    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "medusa", "eagle2", "eagle3"),
+                   default=None,
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
-                        "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model); "
-                        "default: hybrid if --draft is given, else ar")
+                        "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model), "
+                        "lookup_tree, medusa / eagle2 / eagle3 (draft heads on the target's hidden states, trained by "
+                        "`speculant train-heads`); default: hybrid if --draft is given, else ar")
+    p.add_argument("--heads", default=None,
+                   help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
+                        "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 10)")
+    p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 5)")
+    p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 4)")
     p.add_argument("--dtype", default=None, help="weight format: gguf (a .gguf file's own block types, the default for .gguf files), "
                    "bf16/f16 (default for HF folders storing them), q8_0, q5_1, q5_0, q4_1, q4_0 (quantize on load), "
                    "int8, float32 (the reference)")
@@ -140,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                                               "a preset name or a file name from `cache ls`")
 
     from .bench.cli import add_bench_parser
+    from .heads.cli import add_heads_parsers
 
     add_bench_parser(sub)
+    add_heads_parsers(sub)
     return ap
 
 
@@ -161,6 +171,13 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
     if method not in MODEL_METHODS and args.draft:
         raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
+    from .heads.runtime import HeadsConfig
+
+    head_methods = ("medusa", "eagle2", "eagle3")
+    if args.heads and method not in head_methods:
+        raise SpeculantError(f"--heads is only used with --method {', '.join(head_methods)}, not {method}")
+    hc = HeadsConfig()
+    heads = HeadsConfig(args.heads, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
     dl, dm, lk = DraftLengthConfig(), DraftModelConfig(), LookupConfig()
     k = args.draft_tokens if args.draft_tokens is not None else dl.k
     mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)
@@ -175,6 +192,7 @@ def load_engine(args: argparse.Namespace):
             args.draft_context,
         ),
         HybridConfig(args.hybrid_check or HybridConfig().check),
+        heads=heads,
     )
     progress = not args.no_progress
     target = load_model(args.model, args.dtype, device=args.device, progress=progress)
@@ -307,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench.cli import cmd_bench
 
             return cmd_bench(args)
+        if args.command in ("train-heads", "export-heads"):
+            from .heads.cli import cmd_export_heads, cmd_train_heads
+
+            return (cmd_train_heads if args.command == "train-heads" else cmd_export_heads)(args)
         return handlers[args.command](args)
     except SpeculantError as e:
         if os.environ.get("SPECULANT_DEBUG"):

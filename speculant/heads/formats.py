@@ -84,7 +84,8 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
 
 
 def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+    # model.safetensors (or its shards) is the head; a training folder also holds checkpoint.safetensors
+    files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("checkpoint")]
     if not files:
         pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = (f" ({', '.join(pickled)} are pickle files, which speculant never loads: they can run code; convert "
