@@ -187,10 +187,10 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
         head.set_vocab(choose_vocab(tr, cfg.draft_vocab, cfg.vocab))
         init_from_target(head, model)
         trainer = Trainer(model, head, tcfg)
-        meta = {"head": cfg.to_dict(), "data": fp, "train": {k: v for k, v in asdict(tcfg).items() if k != "minutes"}}
+        meta = {"head": cfg.to_dict(), "data": fp, "train": {k: v for k, v in asdict(tcfg).items() if k not in ("minutes", "epochs", "eval_every")}}
         resumed = trainer.load_checkpoint(out, meta)
         bar.phase("training", None)
-        metrics = trainer.evaluate(val)
+        metrics = start_metrics = trainer.evaluate(val)
         last_ckpt, loss = time.monotonic(), math.nan
         while trainer.epoch < tcfg.epochs and time.monotonic() < deadline:
             for idx in batches(tr.n, min(tcfg.batch, tr.n), tcfg.seed, trainer.epoch):
@@ -209,7 +209,7 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
         metrics = trainer.evaluate(val)
         bar.show(trainer.epoch, trainer.step, loss, metrics)
         trainer.save_checkpoint(out, meta)
-    stats = {"val": metrics, "steps": trainer.step, "epochs": trainer.epoch, "resumed": resumed,
+    stats = {"val": metrics, "val_start": start_metrics, "steps": trainer.step, "epochs": trainer.epoch, "resumed": resumed,
              "train_tokens": int(tr.tokens.numel()), "val_tokens": int(val.tokens.numel()),
              "extract_seconds": round(t_extract, 1), "total_seconds": round(time.monotonic() - t0, 1),
              "data": fp, "recipe": asdict(tcfg), "seq_len": dcfg.seq_len}
