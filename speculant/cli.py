@@ -174,7 +174,7 @@ def load_engine(args: argparse.Namespace):
     from .heads.runtime import HeadsConfig
 
     head_methods = ("medusa", "eagle2", "eagle3")
-    if args.heads and method not in head_methods:
+    if args.heads and method not in head_methods and getattr(args, "command", None) != "bench":
         raise SpeculantError(f"--heads is only used with --method {', '.join(head_methods)}, not {method}")
     hc = HeadsConfig()
     heads = HeadsConfig(args.heads, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
