@@ -494,6 +494,101 @@ static inline __attribute__((always_inline)) void dot_k(
 #endif
 }
 
+#if GQ_512
+/* Q4_K and Q6_K straight from the file's bytes (AVX512-VNNI builds): each superblock is decoded into
+ * registers, the canonical u, scale and min vectors that decode_row + dot_k would store and load, then
+ * the same integer and float operations as dot_k's, so the outputs are the same bits. It saves decode_row's
+ * stores and reloads and its scalar scale unpacking: the decode was ~3/4 of a Q4_K row's work at M = 1. */
+
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K superblock (q4k_scales, on 32-bit words). */
+static inline void q4k_scales_swar(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4); memcpy(&b, s + 4, 4); memcpy(&c, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, top2 = 0x30303030u;
+    *sc = (uint64_t)(a & lo6) | (uint64_t)((c & lo4) | ((a >> 2) & top2)) << 32;
+    *mn = (uint64_t)(b & lo6) | (uint64_t)(((c >> 4) & lo4) | ((b >> 2) & top2)) << 32;
+}
+
+/* S[c]: the int16 scale of each pair of values 64c..64c+63 (pair p is in group 4c + p / 8) from the 16
+ * group scales g16 (int16, in the low 256 bits). */
+static inline void pair_scales(__m512i g16, __m512i S[4]) {
+    for (int c = 0; c < 4; c++) {
+        const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
+                                             _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22,
+                                                 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+        S[c] = _mm512_permutexvar_epi16(idx, g16);
+    }
+}
+
+static inline void regs_q4k(const uint8_t *b, __m512i U[4], __m512i S[4], __m256i *mn, float *d, float *dm) {
+    uint64_t sc8, mn8;
+    q4k_scales_swar(b + 4, &sc8, &mn8);
+    /* group g (of 16 values) has sub-block g / 2's scale and min */
+    const __m128i s2 = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)sc8), _mm_cvtsi64_si128((long long)sc8));
+    const __m128i m2 = _mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)mn8), _mm_cvtsi64_si128((long long)mn8));
+    pair_scales(_mm512_castsi256_si512(_mm256_cvtepu8_epi16(s2)), S);
+    *mn = _mm256_cvtepu8_epi16(m2);
+    const __m512i lo = _mm512_set1_epi8(0x0f);
+    for (int h = 0; h < 2; h++) { /* qs bytes 64h..64h+63: values 128h + (0..31, 64..95) low, (32..63, 96..127) high */
+        const __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 64 * h));
+        const __m512i a = _mm512_and_si512(q, lo), c = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
+        U[2 * h] = _mm512_shuffle_i64x2(a, c, _MM_SHUFFLE(1, 0, 1, 0));
+        U[2 * h + 1] = _mm512_shuffle_i64x2(a, c, _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    *d = rdh(b);
+    *dm = rdh(b + 2);
+}
+
+static inline void regs_q6k(const uint8_t *b, __m512i U[4], __m512i S[4], __m256i *mn, float *d, float *dm) {
+    const __m256i g16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    pair_scales(_mm512_castsi256_si512(g16), S);
+    *mn = _mm256_slli_epi16(g16, 5); /* 32 sc */
+    const __m512i lo = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi8(3);
+    /* in each 256-bit half, the shift of qh that gives values 32 s2.. of its 128: s2 = 0, 1 | 2, 3 */
+    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh23 = _mm512_add_epi16(sh01, _mm512_set1_epi16(4));
+    for (int a = 0; a < 2; a++) {
+        const __m512i l = _mm512_loadu_si512((const void *)(b + 64 * a)); /* l0 | l1 */
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * a)));
+        const __m512i h01 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, sh01), m3), 4);
+        const __m512i h23 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, sh23), m3), 4);
+        U[2 * a] = _mm512_or_si512(_mm512_and_si512(l, lo), h01);
+        U[2 * a + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), lo), h23);
+    }
+    *d = *dm = rdh(b + 208);
+}
+
+/* dot_k for a Q4_K (q6 = 0) or Q6_K (q6 = 1) row of raw superblocks; same lanes and operations. */
+static inline __attribute__((always_inline)) void dot_k_raw(
+    const int R, const int q6, const uint8_t *wrow, const int64_t nsb, const int8_t *xq, const int64_t K,
+    const float *xd, const int16_t *xb, float *out) {
+    __m512 acc[MAXR];
+    __m256 accm[MAXR];
+    for (int m = 0; m < R; m++) { acc[m] = _mm512_setzero_ps(); accm[m] = _mm256_setzero_ps(); }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m512i U[4], S[4];
+        __m256i mn;
+        float d, dm;
+        if (q6) regs_q6k(wrow + sb * 210, U, S, &mn, &d, &dm);
+        else regs_q4k(wrow + sb * 144, U, S, &mn, &d, &dm);
+        for (int m = 0; m < R; m++) {
+            const int8_t *x = xq + m * K + sb * 256;
+            __m512i I = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_maddubs_epi16(U[0], _mm512_loadu_si512((const void *)x)), S[0]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[1], _mm512_loadu_si512((const void *)(x + 64))), S[1]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[2], _mm512_loadu_si512((const void *)(x + 128))), S[2]);
+            I = _mm512_dpwssd_epi32(I, _mm512_maddubs_epi16(U[3], _mm512_loadu_si512((const void *)(x + 192))), S[3]);
+            const __m256i Sm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + m * (K / 16) + sb * 16)));
+            const float dx = xd[m * nsb + sb];
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_set1_ps(d * dx), acc[m]);
+            accm[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sm), _mm256_set1_ps(dm * dx), accm[m]);
+        }
+    }
+    for (int m = 0; m < R; m++)
+        out[m] = hsum16_avx(_mm512_castps512_ps256(acc[m]),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1))) - hsum8_avx(accm[m]);
+}
+#endif
+
 /* 32-blocks (wide: u up to 255, Q8_0) */
 static inline __attribute__((always_inline)) void dot_32(
     const int R, const drow *w, const int64_t nb, const int wide, const int8_t *xq, const int64_t K,
@@ -711,12 +806,19 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
             const int64_t col = off + (P->perm ? P->perm[rr] : rr);
             const float bv = bias ? bias[col] : 0.0f;
             const float *wf = r.f;
+            const int raw = GQ_512 && (t == Q4_K || t == Q6_K);
             if (t == F32) wf = (const float *)wrow;
-            else decode_row(t, wrow, K, &r);
+            else if (!raw) decode_row(t, wrow, K, &r);
             for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
                 const int mc = (int)(M - m0 < MAXR ? M - m0 : MAXR);
                 float o[MAXR];
-                if (fam == FAM_K) {
+                if (raw) {
+#if GQ_512
+#define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
+                    ROW_SWITCH(mc, KR);
+#undef KR
+#endif
+                } else if (fam == FAM_K) {
 #define KB(R) dot_k(R, &r, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
                     ROW_SWITCH(mc, KB);
 #undef KB
