@@ -36,6 +36,7 @@ class RandomTree:
             n += level
         self.nodes = n
         self.log: list[tuple] = []
+        self.order = self.r.argsort(descending=True)
 
     def start(self, prompt, hidden=None):
         self.log.append(("start", list(prompt), hidden))
@@ -47,12 +48,11 @@ class RandomTree:
             nxt = []
             for par in frontier:
                 left = self.r.clone()
-                order = self.r.argsort(descending=True)
                 for j in range(w):
                     if len(tokens) >= k:
                         break
                     if self.mode == "topb":
-                        x = int(order[j])
+                        x = int(self.order[j])
                     else:
                         q = self.r if self.mode == "iid" else left / left.sum()
                         x = int(draw(Dist(torch.arange(self.vocab)[None], q[None], self.vocab), self.g))
@@ -188,3 +188,16 @@ def test_every_position_has_the_targets_distribution(drafter, sampling):
 
 def test_the_distribution_check_catches_a_wrong_q():
     assert min_pvalue("wrong", SamplingConfig(1.0)) < 1e-6
+
+
+@pytest.mark.real
+def test_real_smollm2_tree_rounds_match_ar(real_model_cache):
+    target = real_model_cache("smollm2-135m-instruct", "gguf")
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    ref = Engine(target).generate(prompt, gen)
+    tree = Engine(target, method=parse_method("lookup_tree:branches=4,nodes=16")).generate(prompt, gen)
+    assert tree.token_ids == ref.token_ids and tree.stats.accepted_tokens > 0
+    rand = with_drafter(Engine(target, method=MethodConfig("lookup")),
+                        RandomTree(target.config.vocab_size, [4, 2, 1], "topb", taps=(FINAL_HIDDEN,)))
+    assert rand.generate(prompt, gen).token_ids == ref.token_ids
