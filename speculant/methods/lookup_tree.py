@@ -8,8 +8,10 @@ n-grams first and the most recent occurrences first, and merges them into a trie
 shared prefixes cost one node, and the target checks every branch in its one pass
 (tree_round.py), keeping the longest accepted one.
 
-Every node is a function of the context alone, so the tree is deterministic (q = None): exact
-under greedy decoding and sampling alike (verify_tree.py).
+Continuations are cut at a depth that follows the draft-length heuristic (+2 after a round that
+accepted a deepest path, -1 otherwise, within 1..`depth`), so rounds where copies fail stop paying
+for long branches. Every node is a function of the context alone, so the tree is deterministic
+(q = None): exact under greedy decoding and sampling alike (verify_tree.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .lookup import LookupConfig
 class LookupTreeConfig:
     branches: int = 4  # candidate continuations at most (earlier occurrences per n-gram kept)
     nodes: int = 16  # tree nodes per round at most (the target scores 1 + nodes rows)
-    depth: int = 8  # tokens per continuation at most
+    depth: int = 8  # tokens per continuation at most (the adaptive depth's ceiling)
 
     def __post_init__(self) -> None:
         if self.branches < 1:
@@ -50,10 +52,14 @@ class LookupTreeDrafter:
         self.device = device
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions after its latest occurrences
+        self.depth = cfg.depth  # this round's depth (adaptive)
+        self.proposed_depth = 0  # the last tree's depth
 
     def start(self, prompt: list[int]) -> None:
         self.history = []
         self.index = {}
+        self.depth = self.cfg.depth
+        self.proposed_depth = 0
         for t in prompt:
             self._push(t)
 
@@ -78,7 +84,7 @@ class LookupTreeDrafter:
                 if len(h) < n:
                     continue
                 for start in reversed(self.index.get(tuple(h[-n:]), ())):
-                    cont = h[start : start + self.cfg.depth]
+                    cont = h[start : start + self.depth]
                     if cont and cont not in out:
                         out.append(cont)
                         if len(out) == self.cfg.branches:
@@ -102,8 +108,14 @@ class LookupTreeDrafter:
                     tokens.append(t)
                     parents.append(par)
                 par = node
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self.device), parents)
+        tree = DraftTree(torch.tensor(tokens, dtype=torch.long, device=self.device), parents)
+        self.proposed_depth = tree.max_depth
+        return tree
 
     def commit(self, accepted: list[int], n_drafted: int, path: list[int] | None = None) -> None:
+        if self.proposed_depth:
+            full = len(accepted) - 1 >= self.proposed_depth
+            self.depth = min(self.depth + 2, self.cfg.depth) if full else max(self.depth - 1, 1)
+            self.proposed_depth = 0
         for t in accepted:
             self._push(t)
