@@ -23,6 +23,7 @@ import torch
 from .errors import SpeculantError
 from .methods.base import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig, Drafter
 from .methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
+from .methods.draft_tree import DraftTreeConfig, DraftTreeDrafter
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridConfig, HybridDrafter
 from .methods.lookup import LookupConfig, LookupDrafter
 from .heads.runtime import HeadsConfig, load_heads
@@ -40,8 +41,8 @@ from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
 
 HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
-METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", *HEAD_METHODS)
-MODEL_METHODS = ("draft", "hybrid")  # the methods that need a draft model
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
+MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class MethodConfig:
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     lookup_tree: LookupTreeConfig = field(default_factory=LookupTreeConfig)
+    draft_tree: DraftTreeConfig = field(default_factory=DraftTreeConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
 
     def __post_init__(self) -> None:
@@ -81,7 +83,7 @@ _SPEC_KEYS = {
     "ngram_min": ("lookup", "min_ngram", int), "ctx": ("draft_model", "context", int),
     "check": ("hybrid", "check", str),
     "branches": ("lookup_tree", "branches", int), "nodes": ("lookup_tree", "nodes", int),
-    "depth": ("lookup_tree", "depth", int),
+    "depth": ("lookup_tree", "depth", int), "width": ("draft_tree", "width", int),
 }
 # options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
 _HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
@@ -232,6 +234,8 @@ class Engine:
                                       self.target.config.vocab_size, self._draft_head, kept)
             if m.name == "draft":
                 return model
+            if m.name == "draft_tree":
+                return DraftTreeDrafter(model, m.draft_tree, m.draft_length.max_k)
             return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model,
                                  m.hybrid, self._draft_cost)
         return None

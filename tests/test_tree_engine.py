@@ -12,6 +12,8 @@ from conftest import tiny_model
 from speculant.candidates import Dist, draw
 from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_method
 from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig
+from speculant.methods.draft_model import DraftModelConfig
+from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
 from speculant.sampling import SamplingConfig
@@ -95,6 +97,31 @@ def test_greedy_lookup_tree_and_random_trees_match_ar():
         PROMPT, gen).token_ids == ref
 
 
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_greedy_draft_tree_matches_ar(width, monkeypatch):
+    from speculant.methods import draft_tree
+
+    ends = []  # rounds whose accepted path ends on a runner-up sibling
+    commit = draft_tree.DraftTreeDrafter.commit
+
+    def spy(self, accepted, n_drafted, path=None):
+        ends.append(bool(path) and path[-1] not in self.chain_nodes)
+        return commit(self, accepted, n_drafted, path)
+
+    monkeypatch.setattr(draft_tree.DraftTreeDrafter, "commit", spy)
+    target = tiny_model(32, seed=1)
+    gen = GenerationConfig(max_new_tokens=60)
+    ref = Engine(target).generate(PROMPT, gen).token_ids
+    # an unrelated draft (nothing accepted) and the target's own q4_0 twin (mostly right, sometimes second)
+    for draft in (tiny_model(32, seed=2, dim=16, layers=1), tiny_model(32, seed=1, fmt="q4_0")):
+        for dm in (DraftModelConfig(), DraftModelConfig(0.0)):
+            m = MethodConfig("draft_tree", DraftLengthConfig(k=4, max_k=5), draft_model=dm,
+                             draft_tree=DraftTreeConfig(width))
+            assert Engine(target, draft, m).generate(PROMPT, gen).token_ids == ref
+    assert any(ends) == (width > 1)
+    assert parse_method("draft_tree:width=3").draft_tree == DraftTreeConfig(3)
+
+
 def test_tree_stats_and_parse_method():
     target = tiny_model(32, seed=1, logit_scale=3.0)
     done = Engine(target, method=MethodConfig("lookup_tree")).generate(PROMPT, GenerationConfig(max_new_tokens=40))
@@ -156,6 +183,10 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
         if drafter == "lookup_tree":
             e = Engine(target, method=MethodConfig("lookup_tree", lookup=LookupConfig(2, 1),
                                                    lookup_tree=LookupTreeConfig(3, 6, 3)))
+        elif drafter == "draft_tree":  # sampled chain tokens with their q, runner-up siblings one-hot
+            e = Engine(target, tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1),
+                       MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
+                                    draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2)))
         else:
             kind = WrongQ if drafter == "wrong" else RandomTree
             e = with_drafter(Engine(target, method=MethodConfig("lookup")),
@@ -176,6 +207,8 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
 @pytest.mark.parametrize("drafter, sampling", [
     ("lookup_tree", SamplingConfig(1.0)),
     ("lookup_tree", PENALTIES),
+    ("draft_tree", SamplingConfig(1.0)),
+    ("draft_tree", PENALTIES),
     ("topb", SamplingConfig(0.9, top_k=3)),
     ("iid", SamplingConfig(1.0, top_p=0.9)),
     ("without", SamplingConfig(1.0)),

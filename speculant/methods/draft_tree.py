@@ -1,0 +1,102 @@
+"""The draft model's chain with its runner-up tokens as siblings: a tree for the price of a chain.
+
+The draft model drafts its chain as `draft` does (draft_model.py). At every depth its output row
+also ranks the tokens it did not pick: the best `width - 1` of them become siblings of the chain
+token (leaves under the same parent). Where the target rejects the chain token, one of them often
+is its choice, and the round keeps one more token; the draft pays nothing extra (the rows exist),
+the target scores width x the rows in its one pass (SpecInfer's token tree, the cheapest kind).
+
+Exactness: a sibling is the top of the draft's row minus the chain token, a function of the context
+and the tokens drawn before it, so its q is one-hot (tree.py); the chain tokens keep the q they
+were sampled from. Greedy output equals `ar` (verify_tree.py takes the longest accepted path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..candidates import Dist
+from ..errors import SpeculantError
+from ..tree import DraftTree
+from .base import MAX_DRAFT_TOKENS
+from .draft_model import DraftModelDrafter
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTreeConfig:
+    width: int = 2  # children per depth: the chain token and width - 1 runner-ups
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 8:
+            raise SpeculantError(f"draft tree width must be in 1..8, got {self.width}")
+
+
+class _Recorder:
+    """The draft model as DraftModelDrafter calls it, keeping the last row of each forward's logits."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self.rows: list[torch.Tensor] = []
+
+    def __call__(self, *args, **kwargs):
+        out = self._model(*args, **kwargs)
+        self.rows.append(out.logits[-1])
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class DraftTreeDrafter:
+    name = "draft_tree"
+
+    def __init__(self, inner: DraftModelDrafter, cfg: DraftTreeConfig, max_chain: int) -> None:
+        self.recorder = _Recorder(inner.model)
+        inner.model = self.recorder
+        self.inner, self.cfg = inner, cfg
+        self.nodes = min(max_chain * cfg.width, MAX_DRAFT_TOKENS)
+        self.chain_nodes: list[int] = []  # node ids of the last tree's chain tokens
+
+    def start(self, prompt: list[int]) -> None:
+        self.inner.start(prompt)
+
+    def propose(self, pending: int, k: int) -> DraftTree:
+        self.recorder.rows.clear()
+        w = self.cfg.width
+        chain = self.inner.propose(pending, max(1, k // w))
+        L = chain.tokens.shape[0]
+        dev = chain.tokens.device
+        tokens: list[int] = []
+        parents: list[int] = []
+        self.chain_nodes = []
+        rows: list[Dist] = []
+        if L:
+            vocab = self.inner.target_vocab
+            logits = torch.stack(self.recorder.rows[:L])[:, :vocab]  # [L, W]: the rows the chain was drawn from
+            alts = logits.topk(min(w, logits.shape[1]), -1).indices.tolist()  # [L, w]
+            picked = chain.tokens.tolist()
+            par = -1
+            for d in range(L):
+                self.chain_nodes.append(len(tokens))
+                tokens.append(picked[d])
+                parents.append(par)
+                if chain.q is not None:
+                    rows.append(chain.q.select(torch.tensor([d], device=dev)))
+                sibs = [a for a in alts[d] if a != picked[d]][: w - 1]
+                for s in sibs:
+                    tokens.append(s)
+                    parents.append(par)
+                if chain.q is not None and sibs:
+                    rows.append(Dist.one_hot(torch.tensor(sibs, device=dev), vocab))
+                par = self.chain_nodes[-1]
+        q = Dist.cat(rows) if rows else None
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=dev), parents, q)
+
+    def commit(self, accepted: list[int], n_drafted: int, path: list[int] | None = None) -> None:
+        n = len(accepted) - 1
+        if n and path and path[-1] not in self.chain_nodes:  # ends on a sibling: the chain up to its parent
+            self.inner.commit(accepted, n)
+        else:
+            self.inner.commit(accepted, len(self.chain_nodes))
