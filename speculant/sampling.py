@@ -52,6 +52,8 @@ class SamplingConfig:
             raise SpeculantError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SpeculantError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:  # what torch.Generator takes
+            raise SpeculantError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if not (0.0 <= self.min_p <= 1.0):
             raise SpeculantError(f"min-p must be in [0, 1] (0 = off), got {self.min_p}")
         if not (0.0 < self.repeat_penalty < math.inf):

@@ -4,7 +4,6 @@ that leaves mid-stream, the per-request time limit and SIGTERM. SmolLM2-135M dra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -18,7 +17,6 @@ import openai
 import pytest
 
 from server_util import MODEL, ROOT, Server
-from speculant.sampling import SamplingConfig
 
 pytestmark = pytest.mark.real
 KEY = "test-key"
@@ -156,16 +154,17 @@ def test_error_classes(server, client):
     long_msg = next(m for c, _, m in ERROR_TABLE if c == "prompt too long")
     counts = [int(n) for n in re.findall(r"\d+", long_msg)]
     assert 8192 in counts and max(counts) > 8192, long_msg  # the counts: the context and the prompt's tokens
-    # Penalties and logit_bias: accepted exactly when the engine's sampling supports them.
-    have = {f.name for f in dataclasses.fields(SamplingConfig)}
-    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("logit_bias", {"42": 5})):
-        call = lambda: chat(model=MODEL, messages=CHAT, max_tokens=4, **{field: value})  # noqa: E731
-        if field in have:
-            assert call().choices[0].message.content is not None
-        else:
-            status, err = error_of(call)
-            assert status == 400 and field in err["message"]
-            ERROR_TABLE.append((f"{field} (unsupported)", status, err["message"]))
+    # The sampling fields (issue 16) are accepted, and their bad values are 400s naming them.
+    extra = {"min_p": 0.05, "repeat_penalty": 1.2, "repeat_last_n": 32}
+    r = chat(model=MODEL, messages=CHAT, max_tokens=4, presence_penalty=0.5, frequency_penalty=0.5,
+             logit_bias={"42": 5}, extra_body=extra)
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+    for case, body, field in (("bad logit_bias id", {"logit_bias": {"999999": 1}}, "logit_bias"),
+                              ("bad repeat_penalty", {"repeat_penalty": 0}, "repeat_penalty")):
+        got = raw(json.dumps({"model": MODEL, "messages": CHAT, **body}))
+        err = got.json()["error"]
+        assert got.status_code == 400 and err["param"] == field and field in err["message"], (case, err)
+        ERROR_TABLE.append((case, got.status_code, err["message"]))
     print("\n| case | status | message |\n|---|---|---|")
     for case, status, message in ERROR_TABLE:
         print(f"| {case} | {status} | {message} |")

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..engine import METHODS, MODEL_METHODS, Chunk, Done, Engine, GenerationConfig
+from ..engine import HEAD_METHODS, METHODS, MODEL_METHODS, Chunk, Done, Engine, GenerationConfig
 from ..errors import SpeculantError
 from .metrics import Metrics
 from .responses import APIError, Reply, sse, stats_extension
@@ -53,11 +53,18 @@ class ServerConfig:
             raise SpeculantError("the API key must not be empty")
 
 
+def offered_methods(engine: Engine) -> list[str]:
+    """The methods a request may pick on this engine's loaded models: those needing a draft model only
+    with one, and a head method only the one the server was started with (its heads are loaded)."""
+    return [m for m in METHODS if m == engine.method.name or not (
+        m in HEAD_METHODS or (m in MODEL_METHODS and engine.draft is None))]
+
+
 def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     worker = Worker(engine, WorkerConfig(cfg.max_queue, cfg.prompt_cache))
     metrics = Metrics(lambda: worker.waiting, lambda: int(worker.running is not None))
     context = engine.target.config.context_length
-    methods = {m: None for m in METHODS if m not in MODEL_METHODS or engine.draft is not None}
+    methods: dict[str, Engine | None] = {m: None for m in offered_methods(engine)}
     methods[engine.method.name] = engine
 
     def engine_for(req: CompletionRequest | ChatRequest) -> Engine:
@@ -66,8 +73,29 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
             raise APIError(400, f"unknown or unavailable method '{name}'; this server offers {', '.join(methods)}",
                            param="method", code="invalid_value")
         if methods[name] is None:
-            methods[name] = engine.with_method(name)
-        return methods[name]
+            try:
+                methods[name] = engine.with_method(name)
+            except SpeculantError as e:
+                raise APIError(400, f"method '{name}' is not available here: {e}", param="method",
+                               code="invalid_value") from None
+        return methods[name]  # type: ignore[return-value]
+
+    def retry_after() -> int:
+        """Seconds until the queue has likely moved on: the mean latency times the jobs ahead."""
+        return max(1, math.ceil(metrics.mean_latency() * (worker.waiting + 1)))
+
+    def cut_short(reason: str, job: Job, reply: Reply) -> APIError | None:
+        """The error for a generation stopped before its first token, else None (a partial answer)."""
+        if reply.tokens:
+            return None
+        if reason == "time_limit" and not job.started:
+            wait = retry_after()
+            return APIError(503, f"the request waited {cfg.request_timeout:g} s in the queue (the server's "
+                                 f"--request-timeout) without starting: the server is busy; retry in {wait} s",
+                            type="server_error", code="queue_timeout", headers={"Retry-After": str(wait)})
+        if reason in ("cancelled", "shutdown"):
+            return APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        return None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -131,7 +159,8 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                                code="unsupported_field") from None
             if err["type"] == "missing":
                 raise APIError(400, f"missing required field '{param}'", param=param, code="missing_field") from None
-            raise APIError(400, f"invalid value for '{param}': {err['msg']}", param=param,
+            why = err["msg"].removeprefix("Value error, ")  # (pydantic's prefix for a validator's message)
+            raise APIError(400, f"invalid value for '{param}': {why}", param=param,
                            code="invalid_value") from None
         bad = req.unsupported()  # type: ignore[attr-defined]
         if bad is not None:
@@ -172,7 +201,7 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
         try:
             worker.submit(job)
         except QueueFull:
-            wait = max(1, math.ceil(metrics.mean_latency() * (worker.waiting + 1)))
+            wait = retry_after()
             raise APIError(429, f"the server is busy: {worker.waiting} requests are waiting; retry in {wait} s",
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}) from None
         except ShuttingDown:
@@ -186,18 +215,21 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
 
     async def _events(job: Job, reply: Reply, arrival: float, request: Request | None = None):
         """('chunk', Chunk) ... then one of ('end', (finish_reason, ext)), ('stopped', (reason, ext)),
-        ('failed', APIError), or ('gone', None) once `request`'s client has disconnected."""
+        ('failed', APIError), or ('gone', None) once `request`'s client has disconnected. A job still
+        queued at its deadline is stopped here, at the deadline, not when the engine reaches it."""
         ttft = None
         while True:
-            if request is None:  # streaming: a client that leaves ends the response task
-                ev = await job.events.get()
-            else:
-                try:  # cancelling a Queue.get() is safe (cancelling this generator would end it)
-                    ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        yield "gone", None
-                        return
+            try:  # cancelling a Queue.get() is safe (cancelling this generator would end it)
+                ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                # (streaming: a client that leaves ends the response task instead)
+                if request is not None and await request.is_disconnected():
+                    yield "gone", None
+                    return
+                if not job.started and time.monotonic() > job.deadline:
+                    job.cancelled.set()  # the worker skips it when it gets there
+                    ev = Stopped("time_limit")
+                else:
                     continue
             if isinstance(ev, Chunk):
                 if ttft is None:
@@ -233,6 +265,10 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                     finish, ext = payload
                     if kind == "stopped" and finish == "cancelled":
                         return
+                    error = cut_short(finish, job, reply) if kind == "stopped" else None
+                    if error is not None:  # the status line (200) is sent: an error event, then [DONE]
+                        yield sse(error.body())
+                        continue  # (the last event)
                     yield sse(reply.last_chunk(finish if kind == "end" else "length", ext))
                     if usage:
                         yield sse(reply.usage_chunk())
@@ -252,8 +288,9 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
                 if kind == "failed":
                     raise payload
                 finish, ext = payload
-                if kind == "stopped" and finish in ("cancelled", "shutdown") and not reply.tokens:
-                    raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+                error = cut_short(finish, job, reply) if kind == "stopped" else None
+                if error is not None:
+                    raise error
                 metrics.request(endpoint, 200)
                 return JSONResponse(reply.full(finish if kind == "end" else "length", ext))
             raise APIError(500, "the generation ended without a result", type="server_error")

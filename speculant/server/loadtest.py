@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..engine import METHODS, MODEL_METHODS, Engine, GenerationConfig
+from ..engine import Engine, GenerationConfig
 from ..sampling import SamplingConfig
-from .app import ServerConfig, create_app
+from .app import ServerConfig, create_app, offered_methods
 
 SYSTEM = "You are a concise assistant."
 CHATS = ["Write a Python function that reverses a string.", "What is the capital of France? One sentence.",
@@ -203,7 +203,7 @@ def run_load_test(engine: Engine, *, clients: int = 8, seconds: float = 60.0, ma
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    methods = [m for m in METHODS if m not in MODEL_METHODS or engine.draft is not None]
+    methods = offered_methods(engine)
     specs = request_mix(methods, max_tokens)
     log(f"load: {clients} streaming clients + 1 that drops its streams, {seconds:.0f} s, {len(specs)} distinct "
         f"requests, methods {', '.join(methods)}")

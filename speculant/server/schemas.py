@@ -2,23 +2,28 @@
 
 Every field OpenAI defines that would change the output and that speculant cannot honour (n > 1,
 tools, logprobs, ...) is rejected with a 400 that names it, never silently ignored: unknown fields
-are forbidden, and known-but-unsupported ones are checked in `unsupported()`.
+are forbidden, and known-but-unsupported ones are checked in `unsupported()`. The sampling fields
+(OpenAI's temperature, top_p, seed, presence_penalty, frequency_penalty, logit_bias, and llama.cpp's
+top_k, min_p, repeat_penalty, repeat_last_n as extensions) map one to one onto `SamplingConfig`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from ..sampling import SamplingConfig
+from ..errors import SpeculantError
+from ..sampling import MIN_TEMPERATURE, SamplingConfig
+from .responses import APIError
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # "1" is not a number, 1.5 not an int
+    # strict: "1" is not a number, 1.5 not an int; NaN and Infinity (which Python's json reads) are refused
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -31,20 +36,39 @@ class _Common(_Body):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=0)] = 0  # extension (0 = off)
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # extension (llama.cpp), where the engine has it
-    seed: StrictInt | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # extension (llama.cpp; 0 = off)
+    repeat_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # extension (llama.cpp; 1 = off)
+    repeat_last_n: Annotated[StrictInt, Field(ge=-1)] = 64  # extension (llama.cpp): penalty window; -1 = all
+    seed: Annotated[StrictInt, Field(ge=-(1 << 63), lt=1 << 64)] | None = None  # what torch.Generator takes
     stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # token id (a string of digits, as JSON keys are) -> bias added to its logit; -100 all but bans it
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     logprobs: Any = None
     top_logprobs: Any = None
-    method: StrictStr | None = None  # extension: ar, lookup, draft or hybrid (default: the server's --method)
+    method: StrictStr | None = None  # extension: a method the server offers (default: the server's --method)
     user: StrictStr | None = None  # no effect on the output
     metadata: dict[str, StrictStr] | None = None  # no effect on the output
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, t: float) -> float:
+        if 0.0 < t < MIN_TEMPERATURE:  # logits / t would overflow float32
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return t
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (strings of digits), got {key!r}")
+        return bias
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -58,29 +82,22 @@ class _Common(_Body):
         if self.logprobs not in (None, False, 0) or self.top_logprobs not in (None, 0):
             name = "logprobs" if self.logprobs not in (None, False, 0) else "top_logprobs"
             return name, f"{name} is not supported"
-        have = {f.name for f in dataclasses.fields(SamplingConfig)}
-        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_p", 0.0)):
-            if getattr(self, name) != off and name not in have:
-                return name, f"{name} is not supported by this engine"
-        if self.logit_bias and "logit_bias" not in have:
-            return "logit_bias", "logit_bias is not supported by this engine"
         return None
 
     def sampling(self, vocab: int) -> SamplingConfig:
-        """The sampling config (raises SpeculantError/ValueError with a message on bad values)."""
-        have = {f.name for f in dataclasses.fields(SamplingConfig)}
-        extra: dict[str, Any] = {}
-        for name in ("presence_penalty", "frequency_penalty", "min_p"):
-            if name in have:
-                extra[name] = getattr(self, name)
-        if self.logit_bias and "logit_bias" in have:
-            pairs = []
-            for key, bias in self.logit_bias.items():
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
-                    raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}")
-                pairs.append((int(key), float(bias)))
-            extra["logit_bias"] = tuple(sorted(pairs))
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed, **extra)
+        """The sampling config; a value the schema could not check alone is an APIError naming its field."""
+        bias = tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
+        outside = [tid for tid, _ in bias if tid >= vocab]
+        if outside:
+            raise APIError(400, f"invalid value for 'logit_bias': token id {outside[0]} is outside the model's "
+                                f"vocabulary (ids 0..{vocab - 1})", param="logit_bias", code="invalid_value")
+        try:
+            return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed, min_p=self.min_p,
+                                  repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  logit_bias=bias)
+        except SpeculantError as e:  # the schema's ranges are SamplingConfig's: a bug if this is reached
+            raise APIError(400, str(e), code="invalid_value") from None
 
 
 class CompletionRequest(_Common):
