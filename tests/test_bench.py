@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from conftest import tiny_model
@@ -15,8 +16,8 @@ from speculant.bench.prompts import Prompt, find_specbench_file, load_humaneval,
 from speculant.bench.peers import LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available
 from speculant.bench.report import (Table, bar_chart, fmt, load_note, machine_info, to_markdown, write_json,
                                     write_markdown)
-from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, measure_bandwidth,
-                                   measure_model, prefill_tps, text_logits)
+from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, fidelity_logits,
+                                   measure_bandwidth, measure_model, prefill_tps, text_logits)
 from speculant.bench.speed_run import SpeedResult, speed_tables
 from speculant.engine import Engine, MethodConfig
 from speculant.errors import SpeculantError
@@ -352,3 +353,14 @@ def test_a_crash_inside_llama_cpp_costs_its_row_not_the_benchmark(monkeypatch, t
     monkeypatch.setattr(speed_run, "gguf_weight_info", lambda path: (1000, "Q4_0"))
     with pytest.raises(SpeculantError, match="llama.cpp crashed measuring model.gguf; .*AMX"):
         speed_run._llama_row(tmp_path / "model.gguf", "m", [1, 2, 3], SpeedConfig(), 1, 10.0)
+
+
+def test_fidelity_scores_the_second_half_of_each_chunk_from_an_empty_cache(tiny) -> None:
+    ids = [(7 * i) % 32 for i in range(40)]
+    got = fidelity_logits(tiny.model, ids, chunks=2, ctx=16)
+    assert got.shape[0] == 2 * 7  # positions 8..14 of each 16-token chunk
+    for c in range(2):
+        alone = text_logits(tiny.model, ids[16 * c:16 * (c + 1)])
+        assert torch.equal(got[7 * c:7 * (c + 1)], alone[8:15])
+    with pytest.raises(SpeculantError, match="needs 48 tokens"):
+        fidelity_logits(tiny.model, ids, chunks=3, ctx=16)

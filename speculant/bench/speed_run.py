@@ -17,10 +17,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import SpeculantError
 from .peers import LLAMA_CPP_CRASH_HINT, LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
 from .report import Table, fmt, load_note, machine_info
-from .speed import (Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, fidelity_text, measure_bandwidth,
-                    measure_model, text_logits)
+from .speed import (FIDELITY_CTX, Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, fidelity_logits,
+                    fidelity_text, measure_bandwidth, measure_model)
 
-FIDELITY_TOKENS = 1024  # held-out positions scored for fidelity
+FIDELITY_CHUNKS = 4  # chunks of FIDELITY_CTX tokens: 4 x 255 = 1,020 scored positions, as llama-perplexity -c 512
 
 
 @dataclass(slots=True)
@@ -68,7 +68,10 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                 bar.update(task, description=f"{spec} ({dtype}): measuring")
                 result.rows.append(measure_model(lm.model, spec, dtype, ids, cfg, result.bandwidth_gbps))
                 if len(set(cfg.dtypes)) > 1:
-                    logits[dtype] = text_logits(lm.model, lm.tokenizer.encode(fidelity_text())[:FIDELITY_TOKENS])
+                    text = lm.tokenizer.encode(fidelity_text())
+                    chunks = min(FIDELITY_CHUNKS, len(text) // FIDELITY_CTX)
+                    if chunks:
+                        logits[dtype] = fidelity_logits(lm.model, text, chunks)
                 del lm
                 gc.collect()
                 bar.advance(task)
