@@ -1,4 +1,5 @@
-"""Fuzzing harness: damaged GGUF headers and HF json files, each case run in a watched worker process.
+"""Fuzzing harness: damaged GGUF headers and HF json files (config.json's in fuzzing_hf_config.py), each
+case run in a watched worker process.
 
 Seeds come from the real cached GGUF files: their first 8 MB are parsed, the tokenizer arrays cut to
 the first `VOCAB` entries (merges to those among them), and the header written back out; the file is
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from fuzzing_hf_config import config_seeds, config_target, mutate_tree
 from gguf import GGUFValueType as T
 
 CASE_SECONDS = 20.0  # a case takes ~10-50 ms; 20 s means stuck, even on a loaded machine
@@ -313,16 +315,7 @@ def json_seeds() -> list[dict[str, str]]:
     return out
 
 
-def _mutate_json(value: object, rng: random.Random, depth: int = 0) -> object:
-    """One random change somewhere in a JSON tree."""
-    if isinstance(value, dict) and value and (depth < 2 or rng.random() < 0.7):
-        key = rng.choice(list(value))
-        if rng.random() < 0.15:
-            return {k: v for k, v in value.items() if k != key}
-        return {**value, key: _mutate_json(value[key], rng, depth + 1)}
-    if isinstance(value, list) and value and rng.random() < 0.8:
-        i = rng.randrange(len(value))
-        return value[:i] + [_mutate_json(value[i], rng, depth + 1)] + value[i + 1 :]
+def _json_leaf(rng: random.Random, old: object) -> object:
     return rng.choice([None, True, 0, -1, 2**31, 2**63, 10**30, 1.5, float("nan") if rng.random() < 0.1 else 0.0,
                        "", "x", "\ufffd" * 3, [], {}, [[[[[]]]]], {"a": {"b": None}}, list(range(5)),
                        [2**40, "x"], "<|im_end|>", {"content": 7}])
@@ -348,7 +341,7 @@ def json_target(seeds: list[dict[str, str]], i: int, folder: Path) -> str:
     else:
         tree = json.loads(text)
         for _ in range(rng.randint(1, 3)):
-            tree = _mutate_json(tree, rng)
+            tree = mutate_tree(tree, rng, _json_leaf)
         files[name] = json.dumps(tree)
     for fname, content in files.items():
         (folder / fname).write_text(content, encoding="utf-8", errors="surrogatepass")
@@ -360,7 +353,7 @@ def json_target(seeds: list[dict[str, str]], i: int, folder: Path) -> str:
 
 
 TARGETS = {"gguf": (load_seeds, gguf_target), "gguf-config": (load_seeds, gguf_config_target),
-           "hf-tokenizer": (json_seeds, json_target)}
+           "hf-tokenizer": (json_seeds, json_target), "hf-config": (config_seeds, config_target)}
 
 
 # ------------------------------------------------------------------------------------------- runner

@@ -6,11 +6,15 @@ to `dtype`. Both are read here, the way transformers itself reads them, with its
 for absent fields (a llama config without `rms_norm_eps` means 1e-6, not 1e-5). Anything that would
 change the model's output and that speculant does not run (other rotary scalings, sliding-window
 layers, biases the block lacks, quantized checkpoints) is an error naming the field; a value stated
-twice, differently, is an error too, so no setting is ever silently dropped or defaulted.
+twice, differently, is an error too, so no setting is ever silently dropped or defaulted. Every value
+read is type-checked and bounded (a "false" string is not a boolean, a float is not a head count, a
+context of 2**40 would allocate rotary tables without end): an error names the field (found by the
+config.json fuzzer, tests/fuzzing_hf_config.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +34,11 @@ _DEFAULT_THETA = 10000.0
 _RMS_EPS = 1e-6
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "auto")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_MAX_SIZE = 1 << 24  # any width, head or vocabulary count: far above real models (shapes are checked on the weights)
+_MAX_LAYERS = 4096  # Llama 3.1 405B has 126
+_FLOAT32_MAX = 3.4028234663852886e38
+REQUIRED = object()  # _Fields.integer's default for a field that must be present
+_MAX_CONTEXT = 1 << 22  # rotary tables are built for the whole context: 4M positions is 1 GB at head_dim 128
 
 
 def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) -> ModelConfig:
@@ -42,40 +51,72 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
                  "(speculant quantizes it itself with --dtype int8/int4) or a GGUF file")
     act = c.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise SpeculantError(f"{source}: hidden_act {act!r} is not supported; the llama/qwen2 block uses silu")
-    if c.get("mlp_bias", False):
+        raise SpeculantError(f"{source}: hidden_act {_show(act)} is not supported; the llama/qwen2 block uses silu")
+    if c.flag("mlp_bias", False):
         raise SpeculantError(f"{source}: mlp_bias=true (biases on the MLP projections) is not supported")
-    if kind != "qwen2" and c.get("attention_bias", False):
+    if kind != "qwen2" and c.flag("attention_bias", False):
         raise SpeculantError(f"{source}: attention_bias=true (biases on q/k/v and o_proj) is not supported; "
                              "speculant runs q/k/v biases only, as qwen2 has them")
     _check_dtype(c)
 
-    n_layers, dim, n_heads = c.need_int("num_hidden_layers"), c.need_int("hidden_size"), c.need_int("num_attention_heads")
-    n_kv = c.get("num_key_value_heads", defaults["num_key_value_heads"])
-    head_dim = c.get("head_dim", None)
-    context = int(c.get("max_position_embeddings", defaults["max_position_embeddings"]))
-    rope_base, scaling, freq_factors = _rope(c, context, head_dim or (dim // n_heads if n_heads else 0))
+    n_layers = c.integer("num_hidden_layers", hi=_MAX_LAYERS)
+    dim, n_heads = c.integer("hidden_size"), c.integer("num_attention_heads")
+    n_kv = c.integer("num_key_value_heads", defaults["num_key_value_heads"] or n_heads)
+    head_dim = c.integer("head_dim", 0)
+    if not head_dim and dim % n_heads:
+        raise SpeculantError(f"{source}: hidden_size {dim} is not divisible by num_attention_heads {n_heads} "
+                             "(and no head_dim is given)")
+    if (head_dim or dim // n_heads) % 2:
+        raise SpeculantError(f"{source}: the head size (head_dim, or hidden_size / num_attention_heads) is "
+                             f"{head_dim or dim // n_heads}; rotary embeddings need an even one")
+    if n_heads % n_kv:
+        raise SpeculantError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    context = c.integer("max_position_embeddings", defaults["max_position_embeddings"], hi=_MAX_CONTEXT)
+    rope_base, scaling, freq_factors = _rope(c, context, head_dim or dim // n_heads)
     _check_attention_layers(c, kind, n_layers, context, defaults["sliding_window"])
 
-    tie = c.get("tie_word_embeddings", False)
+    tie = c.flag("tie_word_embeddings", False)
     if not tie and not has_lm_head:
         said = ("says tie_word_embeddings false" if "tie_word_embeddings" in raw
                 else "leaves out tie_word_embeddings (which means false)")
         raise SpeculantError(f"{source} {said}, so the model has its own output layer, but the weights have "
                              "no lm_head.weight; the folder is incomplete")
-    return ModelConfig(
+    cfg = ModelConfig(
         arch="qwen2" if kind == "qwen2" else "llama",
-        n_layers=n_layers, dim=dim, n_heads=n_heads,
-        n_kv_heads=int(n_kv if n_kv is not None else n_heads),
-        hidden_dim=c.need_int("intermediate_size"),
-        vocab_size=c.need_int("vocab_size"),
+        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv,
+        hidden_dim=c.integer("intermediate_size"),
+        vocab_size=c.integer("vocab_size"),
         context_length=context,
-        norm_eps=float(c.get("rms_norm_eps", _RMS_EPS)),
+        norm_eps=c.number("rms_norm_eps", _RMS_EPS),
         rope_base=rope_base, rope_scaling=scaling, rope_freq_factors=freq_factors,
-        head_dim=int(head_dim or 0),
+        head_dim=head_dim,
         qkv_bias=kind == "qwen2",
-        tie_embeddings=bool(tie),
+        tie_embeddings=tie,
     )
+    if not all(0.0 < f < _FLOAT32_MAX for f in cfg.inv_freq()):  # e.g. rope_theta 1e-320 (the tables are float32)
+        raise SpeculantError(f"{source}: the rotary settings (rope_theta {rope_base}, rope_scaling / rope_parameters "
+                             f"{scaling or freq_factors}) give frequencies that are zero or not finite in float32")
+    return cfg
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(value: Any, name: str, source: str, lo: int = 1, hi: int = _MAX_SIZE) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpeculantError(f"{source}: {name} must be an integer, got {_show(value)}")
+    if not lo <= value <= hi:
+        raise SpeculantError(f"{source}: {name} is {_show(value)}; it must be in [{lo}, {hi}]")
+    return value
+
+
+def _positive(value: Any, name: str, source: str) -> float:
+    """A finite number > 0 (JSON's 1e999 reads as inf, NaN as nan)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise SpeculantError(f"{source}: {name} must be a finite number > 0, got {_show(value)}")
+    return float(value)
 
 
 class _Fields:
@@ -88,17 +129,32 @@ class _Fields:
         value = self.raw.get(key)
         return default if value is None else value
 
-    def need_int(self, key: str) -> int:
+    def integer(self, key: str, default: Any = REQUIRED, *, lo: int = 1, hi: int = _MAX_SIZE) -> Any:
+        """An integer in [lo, hi], else `default` where absent (an error if REQUIRED)."""
         value = self.raw.get(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpeculantError(f"{self.source} has no integer {key} (got {value!r}); it is not a complete model config")
+        if value is None:
+            if default is REQUIRED:
+                raise SpeculantError(f"{self.source} has no integer {key}; it is not a complete model config")
+            return default
+        return _int(value, key, self.source, lo, hi)
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw.get(key)
+        return default if value is None else _positive(value, key, self.source)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise SpeculantError(f"{self.source}: {key} must be true or false, got {_show(value)}")
         return value
 
     def refuse_set(self, key: str, why: str) -> None:
         value = self.raw.get(key)
         if value:
             what = value.get("quant_method", value) if isinstance(value, dict) else value
-            raise SpeculantError(f"{self.source} has {key} ({what}): {why}")
+            raise SpeculantError(f"{self.source} has {key} ({_show(what)}): {why}")
 
 
 def _arch(raw: Mapping[str, Any], source: str) -> str:
@@ -106,7 +162,8 @@ def _arch(raw: Mapping[str, Any], source: str) -> str:
     name = archs[0] if isinstance(archs, list) and archs else raw.get("model_type")
     kind = _ARCHS.get(name) if isinstance(name, str) else None
     if kind is None:
-        raise SpeculantError(f"unsupported architecture {name!r} in {source}: speculant runs Llama, Mistral and "
+        raise SpeculantError(f"unsupported architecture {_show(name)} (architectures / model_type) in {source}: "
+                             "speculant runs Llama, Mistral and "
                              "Qwen2 decoders (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
     return kind
 
@@ -117,68 +174,87 @@ def _check_dtype(c: _Fields) -> None:
     for key in ("dtype", "torch_dtype"):
         value = c.get(key, "auto")
         if value not in _FLOAT_DTYPES:
-            raise SpeculantError(f"{c.source}: {key} {value!r} is not supported; speculant reads float32, "
+            raise SpeculantError(f"{c.source}: {key} {_show(value)} is not supported; speculant reads float32, "
                                  "bfloat16 and float16 checkpoints")
 
 
 def _rope(c: _Fields, context: int, head_dim: int) -> tuple[float, RopeScaling | None, tuple[float, ...] | None]:
     """(base, Llama 3 scaling, per-frequency divisors) from either layout, as transformers merges them."""
-    params = _rope_dict(c)
-    theta = c.get("rope_theta", None)
-    if "rope_theta" in params and theta is not None and float(params["rope_theta"]) != float(theta):
-        raise SpeculantError(f"{c.source} states the rotary base twice, differently: rope_theta {theta} and "
-                             f"rope_parameters.rope_theta {params['rope_theta']}; remove one")
-    base = float(params.get("rope_theta", theta if theta is not None else _DEFAULT_THETA))
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:
-        raise SpeculantError(f"{c.source}: partial_rotary_factor {partial} (rotary on part of each head) is not supported")
-    kind = params.get("rope_type", params.get("type", "default"))
+    params, where = _rope_dict(c)
+    src = c.source
+    theta = c.number("rope_theta", 0.0) or None
+    base = theta or _DEFAULT_THETA
+    if "rope_theta" in params:
+        base = _positive(params["rope_theta"], where["rope_theta"], src)
+        if theta is not None and base != theta:
+            raise SpeculantError(f"{src} states the rotary base twice, differently: rope_theta {theta} and "
+                                 f"{where['rope_theta']} {base}; remove one")
+    if "partial_rotary_factor" in params:
+        partial = _positive(params["partial_rotary_factor"], where["partial_rotary_factor"], src)
+    else:
+        partial = c.number("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise SpeculantError(f"{src}: partial_rotary_factor {partial} (rotary on part of each head) is not supported")
+    kind = params.get("rope_type", "default")
+    if not isinstance(kind, str):
+        raise SpeculantError(f"{src}: {where['rope_type']} must be a string, got {_show(kind)}")
     if kind == "default":
         return base, None, None
     if kind == "linear":  # positions divided by `factor` == every inverse frequency divided by it
-        factor = float(_need(params, "factor", c.source, kind))
+        factor = _positive(_need(params, "factor", where, src, kind), where["factor"], src)
         return base, None, (factor,) * (head_dim // 2)
     if kind == "llama3":
-        values = [float(_need(params, k, c.source, kind)) for k in _LLAMA3_KEYS]
+        factor, low, high = (_positive(_need(params, k, where, src, kind), where[k], src) for k in _LLAMA3_KEYS)
+        if high <= low:  # transformers' llama3 scaling divides by (high - low)
+            raise SpeculantError(f"{src}: {where['high_freq_factor']} ({high}) must be greater than "
+                                 f"{where['low_freq_factor']} ({low})")
         # transformers 5 prefers a top-level original_max_position_embeddings, then the dict's, then the context
-        top, inner = c.get("original_max_position_embeddings", None), params.get("original_max_position_embeddings")
-        if top is not None and inner is not None and int(top) != int(inner):
-            raise SpeculantError(f"{c.source} states original_max_position_embeddings twice, differently: "
-                                 f"{top} and {inner} in the rotary settings; remove one")
-        original = int(top or inner or context)
-        return base, RopeScaling(values[0], values[1], values[2], original), None
-    raise SpeculantError(f"{c.source}: rotary scaling {kind!r} is not supported (speculant runs default, linear "
-                         "and llama3 rotary embeddings); remove it from config.json only if the model was not "
-                         "trained with it")
+        top = c.integer("original_max_position_embeddings", None, hi=_MAX_CONTEXT)
+        key = "original_max_position_embeddings"
+        inner = _int(params[key], where[key], src, hi=_MAX_CONTEXT) if key in params else None
+        if top is not None and inner is not None and top != inner:
+            raise SpeculantError(f"{src} states original_max_position_embeddings twice, differently: "
+                                 f"{top} and {inner} in {where[key]}; remove one")
+        return base, RopeScaling(factor, low, high, top or inner or context), None
+    raise SpeculantError(f"{src}: rotary scaling {_show(kind)} ({where['rope_type']}) is not supported (speculant "
+                         "runs default, linear and llama3 rotary embeddings); remove it from config.json only if "
+                         "the model was not trained with it")
 
 
-def _rope_dict(c: _Fields) -> dict[str, Any]:
+def _rope_dict(c: _Fields) -> tuple[dict[str, Any], dict[str, str]]:
     """The one rotary settings dict: transformers 5 `rope_parameters` (flat, or nested by layer type) and
-    transformers 4 `rope_scaling`, which must agree where both are present."""
+    transformers 4 `rope_scaling`, which must agree where both are present; and where each value came
+    from (`rope_scaling.factor`), for errors. Null values count as absent."""
     merged: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for key in ("rope_parameters", "rope_scaling"):
         value = c.get(key, {})
         if not isinstance(value, dict):
-            raise SpeculantError(f"{c.source}: {key} must be an object, got {value!r}")
+            raise SpeculantError(f"{c.source}: {key} must be an object, got {_show(value)}")
         if value and all(isinstance(v, dict) or v is None for v in value.values()):
             # nested by layer type ({"full_attention": {...}}); only full-attention layers are run
             unknown = sorted(k for k in value if k != "full_attention")
             if unknown:
-                raise SpeculantError(f"{c.source}: {key} has rotary settings for layer types {unknown}; "
+                raise SpeculantError(f"{c.source}: {key} has rotary settings for layer types {_show(unknown)}; "
                                      "speculant runs full-attention layers only")
-            value = value.get("full_attention") or {}
+            value, key = value.get("full_attention") or {}, f"{key}.full_attention"
         for k, v in value.items():
+            name = f"{key}.{k}"
             k = "rope_type" if k == "type" else k
+            if v is None:
+                continue
             if k in merged and merged[k] != v:
-                raise SpeculantError(f"{c.source} states {k} twice, differently: {merged[k]!r} in rope_parameters "
-                                     f"and {v!r} in rope_scaling; remove one")
-            merged[k] = v
-    return merged
+                raise SpeculantError(f"{c.source} states {k} twice, differently: {_show(merged[k])} in {where[k]} "
+                                     f"and {_show(v)} in {name}; remove one")
+            merged[k], where[k] = v, name
+    where.setdefault("rope_type", "rope_scaling.rope_type")
+    return merged, where
 
 
-def _need(params: Mapping[str, Any], key: str, source: str, kind: str) -> Any:
+def _need(params: Mapping[str, Any], key: str, where: Mapping[str, str], source: str, kind: str) -> Any:
     if params.get(key) is None:
-        raise SpeculantError(f"{source}: {kind} rotary scaling needs {key}, which is missing")
+        container = where["rope_type"].rsplit(".", 1)[0]
+        raise SpeculantError(f"{source}: {kind} rotary scaling ({container}) needs {key}, which is missing")
     return params[key]
 
 
@@ -186,26 +262,30 @@ def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int, 
     """Every layer must be full attention over the whole context: a sliding window shorter than the
     context changes attention from that length on, and speculant never silently attends to everything."""
     types = c.get("layer_types", None)
+    if types is not None and (not isinstance(types, list) or len(types) != n_layers
+                              or not all(isinstance(t, str) for t in types)):
+        raise SpeculantError(f"{c.source}: layer_types must list one type per layer (num_hidden_layers {n_layers}) by name, "
+                             f"got {_show(types)}")
+    big = 1 << 62  # a window at least the context long is full attention, however long
     if kind == "qwen2":
-        window = c.get("sliding_window", default_window) if c.get("use_sliding_window", False) else None
+        window = c.integer("sliding_window", default_window, hi=big) if c.flag("use_sliding_window", False) else None
         if types is None:  # transformers' rule: layers from max_window_layers on slide, if sliding is on
-            first = int(c.get("max_window_layers", 28))
+            first = c.integer("max_window_layers", 28, lo=0, hi=big)
             types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                      for i in range(n_layers)]
     else:  # llama has no window field (a stated one is still honoured); mistral slides on every layer
-        window = c.get("sliding_window", default_window)
+        window = c.integer("sliding_window", default_window, hi=big)
         if types is None:
             types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
-    if not isinstance(types, list) or len(types) != n_layers:
-        raise SpeculantError(f"{c.source}: layer_types must list one type per layer ({n_layers}), got {types!r}")
     for i, t in enumerate(types):
         if t == "full_attention":
             continue
         if t != "sliding_attention":
-            raise SpeculantError(f"{c.source}: layer {i} is of type {t!r}; speculant runs full-attention layers only")
+            raise SpeculantError(f"{c.source}: layer_types[{i}] is {_show(t)}; speculant runs full-attention "
+                                 "layers only")
         if window is None:
-            window = c.get("sliding_window", default_window)
-        if window is not None and int(window) < context:
+            window = c.integer("sliding_window", default_window, hi=big)
+        if window is not None and window < context:
             raise SpeculantError(
                 f"{c.source}: layer {i} uses sliding-window attention (sliding_window {window} < context "
                 f"{context}), which speculant does not run: it runs full attention, which equals a sliding "

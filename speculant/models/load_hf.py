@@ -78,8 +78,8 @@ class HFSource:
                 continue  # transformers ties the output layer to the embeddings then, whatever the file holds
             if key not in self._shapes:
                 raise SpeculantError(
-                    f"{self.path} has tensor {key}, which a {self.config.arch} model with {self.config.n_layers} "
-                    "layers has no place for (speculant runs the plain llama/qwen2 block); ignoring it would "
+                    f"{self.path} has tensor {key}, which a {self.config.arch} model with num_hidden_layers "
+                    f"{self.config.n_layers} has no place for (speculant runs the plain llama/qwen2 block); ignoring it would "
                     "change the model's output, so this checkpoint is not supported")
             info = handle.get_slice(key)
             dtype, shape = info.get_dtype(), tuple(info.get_shape())
@@ -87,7 +87,10 @@ class HFSource:
                 raise SpeculantError(f"{self.path}: tensor {key} is stored as {dtype}; speculant reads float32, "
                                      "bfloat16 and float16 weights (quantized checkpoints are not loaded)")
             if shape != self._shapes[key]:
-                raise SpeculantError(f"{self.path}: tensor {key} has shape {shape} but config.json implies "
+                c = self.config
+                sizes = (f"hidden_size {c.dim}, intermediate_size {c.hidden_dim}, vocab_size {c.vocab_size}, "
+                         f"num_attention_heads {c.n_heads}, num_key_value_heads {c.n_kv_heads}, head_dim {c.head_dim}")
+                raise SpeculantError(f"{self.path}: tensor {key} has shape {shape} but config.json ({sizes}) implies "
                                      f"{self._shapes[key]}; config.json and the weights do not belong together")
         if self.config.tie_embeddings and "lm_head.weight" in self._where:
             # A "tied" file that also holds an lm_head: transformers 4 ties it to the embeddings, 5 keeps the
@@ -101,8 +104,9 @@ class HFSource:
         missing = [k for k in self._shapes if k not in self._where
                    and not (k == "lm_head.weight" and self.config.tie_embeddings)]
         if missing:
-            raise SpeculantError(f"{self.path} lacks {len(missing)} tensor(s) the config needs, e.g. {missing[0]}; "
-                                 "the model folder is incomplete")
+            raise SpeculantError(f"{self.path} lacks {len(missing)} tensor(s) that config.json (num_hidden_layers "
+                                 f"{self.config.n_layers}, tie_word_embeddings {str(self.config.tie_embeddings).lower()}) "
+                                 f"needs, e.g. {missing[0]}; the model folder is incomplete")
 
     @staticmethod
     def _hf_name(name: str) -> str:
@@ -166,6 +170,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise SpeculantError(f"cannot read {path}: {e}") from None
+    except RecursionError:  # json nests one Python call per level
+        raise SpeculantError(f"cannot read {path}: JSON nested too deeply; it is not a model config") from None
     if not isinstance(raw, dict):
         raise SpeculantError(f"{path} is not a JSON object; it is not a model config")
     return raw
