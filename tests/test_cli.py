@@ -25,12 +25,12 @@ def assert_user_error(rc, err, *needles):
         assert n in lines[0], (n, lines[0])
 
 
-def write_gguf(path, arch="llama", bad_type=False):
+def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16):
     """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
-    dim, hidden, vocab = 8, 16, 4
+    vocab = 4
     w.add_block_count(1)
     w.add_context_length(32)
     w.add_embedding_length(dim)
@@ -45,8 +45,8 @@ def write_gguf(path, arch="llama", bad_type=False):
     w.add_token_merges(["a b"])
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "blk.0.attn_norm.weight": (dim,),
-              "blk.0.ffn_norm.weight": (dim,), "blk.0.attn_q.weight": (dim, dim), "blk.0.attn_k.weight": (4, dim),
-              "blk.0.attn_v.weight": (4, dim), "blk.0.attn_output.weight": (dim, dim),
+              "blk.0.ffn_norm.weight": (dim,), "blk.0.attn_q.weight": (dim, dim), "blk.0.attn_k.weight": (dim // 2, dim),
+              "blk.0.attn_v.weight": (dim // 2, dim), "blk.0.attn_output.weight": (dim, dim),
               "blk.0.ffn_gate.weight": (hidden, dim), "blk.0.ffn_up.weight": (hidden, dim),
               "blk.0.ffn_down.weight": (dim, hidden)}
     for name, shape in shapes.items():

@@ -6,6 +6,7 @@ a ready `LoadedModel` (weights in the chosen format + the model's tokenizer) out
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,17 @@ def default_dtype(path: Path | None = None, device: str = "cpu") -> str:
     return {"BF16": "bf16", "F16": "f16"}.get(_stored_dtype(path), "float32")
 
 
+def _kernels_missing() -> str | None:
+    """Why the block-format kernels cannot run here (their build failure, remembered), or None."""
+    from . import native
+
+    try:
+        native.gq_library()
+    except SpeculantError as e:
+        return str(e)
+    return None
+
+
 def _stored_dtype(folder: Path) -> str | None:
     """The safetensors dtype ("BF16", "F16", "F32", ...) of a model folder's first weight, if readable."""
     from safetensors import safe_open
@@ -73,7 +85,12 @@ def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", prog
     if device != "cpu" and dtype not in (None, "float32"):
         raise SpeculantError(f"--dtype {dtype} runs on the CPU only; use --dtype float32 on {device}")
     path = resolve_model(spec)
-    dtype = dtype or default_dtype(path, device)
+    if dtype is None:
+        dtype = default_dtype(path, device)
+        why = _kernels_missing() if device == "cpu" else None
+        if why is not None:  # one line, not a silent slowdown
+            logging.getLogger("speculant").warning(
+                f"speculant: {why}; {path.name} runs in float32 instead of its block formats (slower, more memory)")
     if path.is_dir():
         src = HFSource(path)
         tokenizer = Tokenizer.from_hf_dir(path)

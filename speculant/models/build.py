@@ -4,13 +4,19 @@
 memory-mapped: nothing is converted or cached, and the model in memory is the model in the file.
 Every other format is assembled one layer at a time from float32 tensors (dequantise, fuse q/k/v and
 gate/up, convert), with a progress bar; the converted tensors are saved as safetensors in a
-conversion cache keyed by the source's fingerprint and the format, so a second load skips the work.
+conversion cache keyed by everything its content depends on (the cache layout's version, the source's
+fingerprint, the format, the gguf package's quantizers, the calibration tokens), so a second load skips
+the work. A cache that cannot be written costs the next load a conversion, never this one: the model
+is returned with one line on stderr. Concurrent conversions write under unique temporary names and
+rename atomically, so no reader sees a partial file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,13 +109,15 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     cfg = src.config
     cached = None
     if cache_dir is not None:
-        key = hashlib.sha256(f"{_CACHE_VERSION}|{src.fingerprint()}|{fmt}".encode()).hexdigest()[:24]
-        cached = cache_dir / f"{key}.safetensors"
-        if cached.exists():
+        cached = cache_dir / f"{cache_key(src, fmt, calibration_ids)}.safetensors"
+        if _exists(cached):
             try:
                 return _from_states(cfg, _load_states(cached), fmt)
             except SpeculantError:
-                cached.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, never trusted
+                try:
+                    cached.unlink(missing_ok=True)  # a damaged cache entry is rebuilt, never trusted
+                except OSError:
+                    pass
 
     states: dict[str, Tensor] = {}
     blocks: list[Block] = []
@@ -145,6 +153,28 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     return model
 
 
+def cache_key(src: WeightSource, fmt: str, calibration_ids: list[int] | None) -> str:
+    """The conversion cache's name for `src` in `fmt`: it changes with anything that changes the content."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        quantizer = version("gguf")  # its reference quantizers make the block formats
+    except PackageNotFoundError:
+        quantizer = "none"
+    calib = ""
+    if fmt in CALIBRATED and calibration_ids:
+        calib = hashlib.sha256(",".join(map(str, calibration_ids)).encode()).hexdigest()[:16]
+    text = f"{_CACHE_VERSION}|{src.fingerprint()}|{fmt}|gguf {quantizer}|calibration {calib}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a folder that cannot be searched: treated as an empty cache
+        return False
+
+
 def _collect(states: dict[str, Tensor], prefix: str, fl: dict[str, Tensor], lin: dict[str, QLinear]) -> None:
     states[prefix + "attn_norm"] = fl["attn_norm"]
     states[prefix + "ffn_norm"] = fl["ffn_norm"]
@@ -178,10 +208,23 @@ def _load_states(path: Path) -> dict[str, Tensor]:
 
 
 def _save_states(path: Path, states: dict[str, Tensor]) -> None:
+    from safetensors import SafetensorError  # (what save_file raises for I/O errors: no space left, ...)
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    # Tied embeddings share storage with lm_head in fp32; safetensors refuses shared tensors.
-    save_file({k: v.contiguous().clone() if k.startswith("lm_head") else v.contiguous() for k, v in states.items()}, str(tmp))
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # unique per writer: two processes converting the same model never write into one file
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".partial", dir=path.parent)
+        os.close(fd)
+        # Tied embeddings share storage with lm_head in fp32; safetensors refuses shared tensors.
+        save_file({k: v.contiguous().clone() if k.startswith("lm_head") else v.contiguous()
+                   for k, v in states.items()}, tmp)
+        os.replace(tmp, path)  # atomic: readers see no file or the whole file
+    except (OSError, SafetensorError) as e:
+        logging.getLogger("speculant").warning(
+            f"speculant: cannot save the converted weights in {path.parent} ({getattr(e, 'strerror', None) or e}); the model runs, "
+            "but the next load converts it again (set SPECULANT_HOME to a writable folder to keep them)")
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
