@@ -48,7 +48,7 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
     kind = _arch(raw, source)
     defaults = _DEFAULTS[kind]
     c.refuse_set("quantization_config", "quantized checkpoints are not loaded; use the unquantized folder "
-                 "(speculant quantizes it itself with --dtype int8/int4) or a GGUF file")
+                 "(speculant quantizes it itself on load: --dtype q8_0, q4_0, int8, ...) or a GGUF file")
     act = c.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise SpeculantError(f"{source}: hidden_act {_show(act)} is not supported; the llama/qwen2 block uses silu")
