@@ -305,7 +305,7 @@ def test_run_methods_sampled_with_seeds() -> None:
 
 def test_methods_config_and_mismatch_reporting() -> None:
     with pytest.raises(SpeculantError, match="unknown method"):
-        MethodsConfig(("ar", "medusa"))
+        MethodsConfig(("ar", "mystery"))
     with pytest.raises(SpeculantError, match="twice"):
         MethodsConfig(("ar", "ar"))
     assert MethodsConfig(("lookup", "draft")).reference == "lookup"

@@ -12,11 +12,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..engine import METHODS
 from ..errors import SpeculantError
 from ..models.formats import WEIGHT_FORMATS
 from .prompts import DATASETS
 from .speed import DEFAULT_DTYPES, DEFAULT_MODELS, KS, PEERS
+
+# what `bench methods` compares by default: the methods that need no trained heads (tree and head
+# methods are asked for by name, the heads with --heads)
+DEFAULT_METHODS = ("ar", "draft", "lookup", "hybrid")
 
 DEFAULT_OUT = "bench_out"
 
@@ -47,7 +50,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     for action in m._actions:  # the shared --method (one method) does not apply here: --methods does
         if action.dest == "method":
             action.help = argparse.SUPPRESS
-    m.add_argument("--methods", nargs="+", default=list(METHODS),
+    m.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help="methods to compare: ar, draft, lookup, hybrid, or variants such as draft:k=4,schedule=fixed "
                         "(keys: k, schedule, max_k, conf, vocab, ctx, ngram, ngram_min, check)")
     m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
