@@ -287,9 +287,8 @@ static inline void decode_q6k_avx2(const uint8_t *b, drow *r, int64_t sb) {
 #endif
 
 #if GQ_AVX2
-/* 32-blocks with AVX2: nibbles (and Q5's fifth bits) to bytes */
-static inline void decode_32_avx2(int t, const uint8_t *b, drow *r, int64_t i) {
-    uint8_t *u = r->u + i * 32;
+/* 32-blocks with AVX2: nibbles (and Q5's fifth bits) to bytes; *d, *o as decode_32 sets d and dm */
+static inline __m256i u32_avx2(int t, const uint8_t *b, float *d_out, float *o_out) {
     const float d = rdh(b);
     __m256i v;
     float o;
@@ -312,9 +311,12 @@ static inline void decode_32_avx2(int t, const uint8_t *b, drow *r, int64_t i) {
         }
         o = t == Q4_0 ? -8.0f * d : t == Q5_0 ? -16.0f * d : rdh(b + 2);
     }
-    _mm256_storeu_si256((__m256i *)u, v);
-    r->d[i] = d;
-    r->dm[i] = o;
+    *d_out = d;
+    *o_out = o;
+    return v;
+}
+static inline void decode_32_avx2(int t, const uint8_t *b, drow *r, int64_t i) {
+    _mm256_storeu_si256((__m256i *)(r->u + i * 32), u32_avx2(t, b, r->d + i, r->dm + i));
 }
 #endif
 
@@ -589,6 +591,59 @@ static inline __attribute__((always_inline)) void dot_k_raw(
 }
 #endif
 
+#if GQ_512
+/* dot_32's float work for blocks b, b + 1 (lanes 0-7 and 8-15) whose u are in U, for R rows. */
+static inline __attribute__((always_inline)) void dot_32_pair(
+    const int R, const __m512i U, const float d0, const float d1, const float o0, const float o1, const int8_t *xq,
+    const int64_t K, const int64_t b, const int64_t nb, const float *xd, const float *xs, __m512 *acc, float *t) {
+    for (int m = 0; m < R; m++) {
+        const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), U, _mm512_loadu_si512((const void *)(xq + m * K + 32 * b)));
+        const float *dx = xd + m * nb + b, *sx = xs + m * nb + b;
+        const __m512 a = join8(_mm256_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), a, acc[m]);
+        t[m] = fmaf(o0, sx[0], t[m]);
+        t[m] = fmaf(o1, sx[1], t[m]);
+    }
+}
+/* an odd last block: even index, lanes 0-7 */
+static inline __attribute__((always_inline)) void dot_32_last(
+    const int R, const __m256i U, const float d, const float o, const int8_t *xq, const int64_t K, const int64_t b,
+    const int64_t nb, const float *xd, const float *xs, __m512 *acc, float *t) {
+    for (int m = 0; m < R; m++) {
+        const __m256i P = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b)));
+        const __m512 a = join8(_mm256_set1_ps(d * xd[m * nb + b]), _mm256_setzero_ps());
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(P)), a, acc[m]);
+        t[m] = fmaf(o, xs[m * nb + b], t[m]);
+    }
+}
+
+/* dot_32 for a row of raw 32-blocks of type t (AVX512-VNNI builds): u decoded into registers by the
+ * decoder decode_row uses, then dot_32's own operations, so the same bits without the stores and reloads. */
+static inline __attribute__((always_inline)) void dot_32_raw(
+    const int R, const int t, const uint8_t *wrow, const int64_t nb, const int8_t *xq, const int64_t K,
+    const float *xd, const float *xs, float *out) {
+    const int bb = block_bytes(t);
+    float tt[MAXR];
+    __m512 acc[MAXR];
+    for (int m = 0; m < R; m++) { tt[m] = 0.0f; acc[m] = _mm512_setzero_ps(); }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        float d0, d1, o0, o1;
+        const __m256i u0 = u32_avx2(t, wrow + b * bb, &d0, &o0), u1 = u32_avx2(t, wrow + (b + 1) * bb, &d1, &o1);
+        dot_32_pair(R, _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1), d0, d1, o0, o1, xq, K, b, nb, xd, xs,
+                    acc, tt);
+    }
+    if (b < nb) {
+        float d, o;
+        const __m256i u = u32_avx2(t, wrow + b * bb, &d, &o);
+        dot_32_last(R, u, d, o, xq, K, b, nb, xd, xs, acc, tt);
+    }
+    for (int m = 0; m < R; m++)
+        out[m] = hsum16_avx(_mm512_castps512_ps256(acc[m]),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1))) + tt[m];
+}
+#endif
+
 /* 32-blocks (wide: u up to 255, Q8_0) */
 static inline __attribute__((always_inline)) void dot_32(
     const int R, const drow *w, const int64_t nb, const int wide, const int8_t *xq, const int64_t K,
@@ -599,27 +654,12 @@ static inline __attribute__((always_inline)) void dot_32(
     __m512 acc[MAXR];
     for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
     int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m512i U = _mm512_loadu_si512((const void *)(w->u + 32 * b));
-        const float d0 = w->d[b], d1 = w->d[b + 1], o0 = w->dm[b], o1 = w->dm[b + 1];
-        for (int m = 0; m < R; m++) {
-            const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), U, _mm512_loadu_si512((const void *)(xq + m * K + 32 * b)));
-            const float *dx = xd + m * nb + b, *sx = xs + m * nb + b;
-            const __m512 a = join8(_mm256_set1_ps(d0 * dx[0]), _mm256_set1_ps(d1 * dx[1]));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), a, acc[m]);
-            t[m] = fmaf(o0, sx[0], t[m]);
-            t[m] = fmaf(o1, sx[1], t[m]);
-        }
-    }
-    if (b < nb) { /* an odd last block: even index, lanes 0-7 */
-        const __m256i U = _mm256_loadu_si256((const __m256i *)(w->u + 32 * b));
-        for (int m = 0; m < R; m++) {
-            const __m256i P = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b)));
-            const __m512 a = join8(_mm256_set1_ps(w->d[b] * xd[m * nb + b]), _mm256_setzero_ps());
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(P)), a, acc[m]);
-            t[m] = fmaf(w->dm[b], xs[m * nb + b], t[m]);
-        }
-    }
+    for (; b + 1 < nb; b += 2)
+        dot_32_pair(R, _mm512_loadu_si512((const void *)(w->u + 32 * b)), w->d[b], w->d[b + 1], w->dm[b],
+                    w->dm[b + 1], xq, K, b, nb, xd, xs, acc, t);
+    if (b < nb)
+        dot_32_last(R, _mm256_loadu_si256((const __m256i *)(w->u + 32 * b)), w->d[b], w->dm[b], xq, K, b, nb, xd, xs,
+                    acc, t);
     (void)wide;
     for (int m = 0; m < R; m++)
         out[m] = hsum16_avx(_mm512_castps512_ps256(acc[m]),
@@ -806,7 +846,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
             const int64_t col = off + (P->perm ? P->perm[rr] : rr);
             const float bv = bias ? bias[col] : 0.0f;
             const float *wf = r.f;
-            const int raw = GQ_512 && (t == Q4_K || t == Q6_K);
+            const int raw = GQ_512 && (t == Q4_K || t == Q6_K || fam == FAM_32);
             if (t == F32) wf = (const float *)wrow;
             else if (!raw) decode_row(t, wrow, K, &r);
             for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
@@ -815,8 +855,14 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
                 if (raw) {
 #if GQ_512
 #define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
-                    ROW_SWITCH(mc, KR);
+#define BR(R) dot_32_raw(R, t, wrow, nb, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
+                    if (fam == FAM_32) {
+                        ROW_SWITCH(mc, BR);
+                    } else {
+                        ROW_SWITCH(mc, KR);
+                    }
 #undef KR
+#undef BR
 #endif
                 } else if (fam == FAM_K) {
 #define KB(R) dot_k(R, &r, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
