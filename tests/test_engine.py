@@ -266,7 +266,7 @@ def test_parse_method_variants():
     with pytest.raises(SpeculantError, match="must be int"):
         parse_method("draft:k=many")
     with pytest.raises(SpeculantError, match="unknown method"):
-        parse_method("medusa:k=2")
+        parse_method("mystery:k=2")
 
 
 def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
