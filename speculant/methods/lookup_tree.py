@@ -28,9 +28,12 @@ from .lookup import LookupConfig
 
 @dataclass(frozen=True, slots=True)
 class LookupTreeConfig:
-    branches: int = 4  # candidate continuations at most (earlier occurrences per n-gram kept)
-    nodes: int = 16  # tree nodes per round at most (the target scores 1 + nodes rows)
-    depth: int = 8  # tokens per continuation at most (the adaptive depth's ceiling)
+    # Qwen2.5-Coder-1.5B, HumanEval 20 prompts x 128 tokens, one `bench methods` run: decode speedup
+    # 1.01x with these defaults vs 0.82x with branches=4,nodes=16,depth=8 (lookup 1.15x): each extra
+    # row costs ~0.3 of a target step on this CPU, and extra branches lift tau only 1.58 -> 1.66.
+    branches: int = 2  # candidate continuations at most (earlier occurrences per n-gram kept)
+    nodes: int = 8  # tree nodes per round at most (the target scores 1 + nodes rows)
+    depth: int = 6  # tokens per continuation at most (the adaptive depth's ceiling)
 
     def __post_init__(self) -> None:
         if self.branches < 1:
