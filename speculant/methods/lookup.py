@@ -37,49 +37,79 @@ class LookupConfig:
         return LookupConfig(self.max_ngram, min(default_min, self.max_ngram))
 
 
+class NgramIndex:
+    """The context so far, and for each of its n-grams (min_ngram..max_ngram tokens) where its latest
+    `keep` occurrences ended, updated token by token: a push and a lookup cost O(max_ngram) each,
+    whatever the context length. Shared by `lookup` (keep 1) and `lookup_tree` (keep = branches)."""
+
+    def __init__(self, cfg: LookupConfig, keep: int = 1) -> None:  # cfg resolved: min_ngram set
+        self.min_n, self.max_n = cfg.min_ngram, cfg.max_ngram
+        self.keep = keep
+        self.history: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its latest occurrences
+
+    def reset(self, tokens: list[int]) -> None:
+        self.history = []
+        self.ends = {}
+        for t in tokens:
+            self.push(t)
+
+    def push(self, token: int) -> None:
+        h = self.history
+        h.append(token)
+        # Register the n-grams ending just before this token: their continuation starts here.
+        end = len(h) - 1
+        for n in range(self.min_n, self.max_n + 1):
+            if end - n >= 0:
+                seen = self.ends.setdefault(tuple(h[end - n : end]), [])
+                seen.append(end)
+                if len(seen) > self.keep:
+                    del seen[0]
+
+    def continuations(self, pending: int, length: int, limit: int) -> list[list[int]]:
+        """Up to `limit` distinct non-empty continuations (at most `length` tokens) of the context +
+        `pending`: the longest matching n-gram first, then its most recent occurrences first."""
+        h = self.history
+        h.append(pending)  # looked up as the suffix, removed again below (a commit pushes it for good)
+        out: list[list[int]] = []
+        try:
+            for n in range(self.max_n, self.min_n - 1, -1):
+                if len(h) < n:
+                    continue
+                for start in reversed(self.ends.get(tuple(h[-n:]), ())):
+                    cont = h[start : start + length]
+                    if cont and cont not in out:
+                        out.append(cont)
+                        if len(out) == limit:
+                            return out
+            return out
+        finally:
+            h.pop()
+
+
 class LookupDrafter:
     name = "lookup"
 
     def __init__(self, cfg: LookupConfig, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg.resolved(1)
         self.device = device
-        self.history: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+        self.ngrams = NgramIndex(self.cfg)
+
+    @property
+    def history(self) -> list[int]:
+        return self.ngrams.history
 
     def start(self, prompt: list[int]) -> None:
-        self.history = []
-        self.index = {}
-        for t in prompt:
-            self._push(t)
-
-    def _push(self, token: int) -> None:
-        h = self.history
-        h.append(token)
-        # Register the n-grams ending just before this token: their continuation starts here.
-        end = len(h) - 1
-        for n in range(self.cfg.min_ngram, self.cfg.max_ngram + 1):
-            if end - n >= 0:
-                self.index[tuple(h[end - n : end])] = end
+        self.ngrams.reset(prompt)
 
     def propose(self, pending: int, k: int) -> Draft:
         return Draft(torch.tensor(self.guess(pending, k), dtype=torch.long, device=self.device), None)
 
     def guess(self, pending: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching n-gram."""
-        h = self.history
-        h.append(pending)  # looked up as the suffix, removed again below (commit pushes it for good)
-        out: list[int] = []
-        if k > 0:
-            for n in range(self.cfg.max_ngram, self.cfg.min_ngram - 1, -1):
-                if len(h) < n:
-                    continue
-                start = self.index.get(tuple(h[-n:]))
-                if start is not None:
-                    out = h[start : start + k]
-                    break
-        h.pop()
-        return out
+        found = self.ngrams.continuations(pending, k, 1) if k > 0 else []
+        return found[0] if found else []
 
     def commit(self, accepted: list[int], n_drafted: int) -> None:
         for t in accepted:
-            self._push(t)
+            self.ngrams.push(t)

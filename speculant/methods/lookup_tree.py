@@ -23,7 +23,7 @@ import torch
 from ..errors import SpeculantError
 from ..tree import DraftTree
 from .base import MAX_DRAFT_TOKENS
-from .lookup import LookupConfig
+from .lookup import LookupConfig, NgramIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,48 +53,18 @@ class LookupTreeDrafter:
         self.lookup = lookup.resolved(1)
         self.nodes = cfg.nodes  # the engine's per-round budget for tree drafters
         self.device = device
-        self.history: list[int] = []
-        self.index: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions after its latest occurrences
+        self.ngrams = NgramIndex(self.lookup, keep=cfg.branches)
         self.depth = cfg.depth  # this round's depth (adaptive)
         self.proposed_depth = 0  # the last tree's depth
 
     def start(self, prompt: list[int]) -> None:
-        self.history = []
-        self.index = {}
+        self.ngrams.reset(prompt)
         self.depth = self.cfg.depth
         self.proposed_depth = 0
-        for t in prompt:
-            self._push(t)
-
-    def _push(self, token: int) -> None:
-        h = self.history
-        h.append(token)
-        end = len(h) - 1
-        for n in range(self.lookup.min_ngram, self.lookup.max_ngram + 1):
-            if end - n >= 0:
-                seen = self.index.setdefault(tuple(h[end - n : end]), [])
-                seen.append(end)
-                if len(seen) > self.cfg.branches:
-                    del seen[0]
 
     def continuations(self, pending: int) -> list[list[int]]:
         """Up to `branches` distinct continuations, longest n-gram and most recent occurrence first."""
-        h = self.history
-        h.append(pending)
-        out: list[list[int]] = []
-        try:
-            for n in range(self.lookup.max_ngram, self.lookup.min_ngram - 1, -1):
-                if len(h) < n:
-                    continue
-                for start in reversed(self.index.get(tuple(h[-n:]), ())):
-                    cont = h[start : start + self.depth]
-                    if cont and cont not in out:
-                        out.append(cont)
-                        if len(out) == self.cfg.branches:
-                            return out
-            return out
-        finally:
-            h.pop()
+        return self.ngrams.continuations(pending, self.depth, self.cfg.branches)
 
     def propose(self, pending: int, k: int) -> DraftTree:
         tokens: list[int] = []
@@ -121,4 +91,4 @@ class LookupTreeDrafter:
             self.depth = min(self.depth + 2, self.cfg.depth) if full else max(self.depth - 1, 1)
             self.proposed_depth = 0
         for t in accepted:
-            self._push(t)
+            self.ngrams.push(t)
