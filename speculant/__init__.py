@@ -6,7 +6,8 @@
         ...
 """
 
-from .engine import Chunk, Done, Engine, GenerationConfig, MethodConfig
+from .engine import Chunk, Done, Engine, GenerationConfig
+from .method import MethodConfig
 from .errors import SpeculantError
 from .models import LoadedModel, load_model
 from .sampling import SamplingConfig

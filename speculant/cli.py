@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
-    from .engine import MODEL_METHODS, Engine, MethodConfig
+    from .engine import Engine
+    from .method import MODEL_METHODS, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
     from .methods.hybrid import HybridConfig

@@ -19,7 +19,8 @@ from speculant.bench.report import (Table, bar_chart, fmt, load_note, machine_in
 from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, fidelity_logits,
                                    measure_bandwidth, measure_model, prefill_tps, text_logits)
 from speculant.bench.speed_run import SpeedResult, speed_tables
-from speculant.engine import Engine, MethodConfig
+from speculant.engine import Engine
+from speculant.method import MethodConfig
 from speculant.errors import SpeculantError
 from speculant.stats import Stats
 

@@ -8,7 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from speculant.engine import Chunk, Done, Engine, GenerationConfig, MethodConfig
+from speculant.engine import Chunk, Done, Engine, GenerationConfig
+from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
@@ -255,7 +256,6 @@ def test_reduced_draft_vocabulary_stays_exact(pair):
 
 
 def test_parse_method_variants():
-    from speculant.engine import parse_method
 
     m = parse_method("draft:k=3,schedule=fixed,conf=0.4,vocab=32768")
     assert (m.name, m.draft_length.k, m.draft_length.schedule) == ("draft", 3, "fixed")

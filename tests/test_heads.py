@@ -8,7 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_method
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.heads.config import default_config
 from speculant.heads.formats import save_head

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig, MethodConfig
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig
 from speculant.errors import SpeculantError
 from speculant.heads.data import DataConfig, sequences
 from speculant.heads.runtime import HeadsConfig

@@ -3,7 +3,8 @@
 import pytest
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig, MethodConfig
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.prefix import PASS_MAX, KeptPrefix, common_prefix, pass_starts

@@ -2,7 +2,8 @@
 
 import pytest
 
-from speculant.engine import Engine, GenerationConfig, MethodConfig
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.sampling import SamplingConfig
 

@@ -17,7 +17,8 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from speculant import cli, runtime
-from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_method
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.methods.base import MAX_DRAFT_TOKENS, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig

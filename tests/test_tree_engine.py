@@ -10,7 +10,8 @@ from scipy.stats import chisquare
 
 from conftest import tiny_model
 from speculant.candidates import Dist, draw
-from speculant.engine import Engine, GenerationConfig, MethodConfig, parse_method
+from speculant.engine import Engine, GenerationConfig
+from speculant.method import MethodConfig, parse_method
 from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.methods.draft_tree import DraftTreeConfig

@@ -136,7 +136,8 @@ def _methods(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli import load_engine
-    from ..engine import MODEL_METHODS, Engine, method_name, parse_method
+    from ..engine import Engine
+    from ..method import MODEL_METHODS, method_name, parse_method
     from ..hub import resolve_model
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..engine import METHODS, Engine, GenerationConfig, method_name
+from ..engine import Engine, GenerationConfig
+from ..method import METHODS, method_name
 from ..errors import SpeculantError
 from ..sampling import SamplingConfig
 from .aggregate import ALL, Aggregate, Record, aggregate, first_difference

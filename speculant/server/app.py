@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..engine import HEAD_METHODS, METHODS, MODEL_METHODS, Chunk, Done, Engine, GenerationConfig
+from ..engine import Chunk, Done, Engine, GenerationConfig
+from ..method import HEAD_METHODS, METHODS, MODEL_METHODS
 from ..errors import SpeculantError
 from .metrics import Metrics
 from .responses import APIError, Reply, sse, stats_extension

@@ -1,0 +1,75 @@
+"""Which decoding method runs and with what settings: `MethodConfig` and the 'name:key=value' specs
+that the command line, the server and the benchmarks parse into one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import SpeculantError
+from .heads.runtime import HeadsConfig
+from .methods.base import DraftLengthConfig
+from .methods.draft_model import DraftModelConfig
+from .methods.draft_tree import DraftTreeConfig
+from .methods.hybrid import HybridConfig
+from .methods.lookup import LookupConfig
+from .methods.lookup_tree import LookupTreeConfig
+
+HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
+MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
+
+
+@dataclass(frozen=True, slots=True)
+class MethodConfig:
+    name: str = "ar"
+    draft_length: DraftLengthConfig = field(default_factory=DraftLengthConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    lookup_tree: LookupTreeConfig = field(default_factory=LookupTreeConfig)
+    draft_tree: DraftTreeConfig = field(default_factory=DraftTreeConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise SpeculantError(f"unknown method {self.name!r}; choose one of {', '.join(METHODS)}")
+
+
+_SPEC_KEYS = {
+    "k": ("draft_length", "k", int), "schedule": ("draft_length", "schedule", str),
+    "max_k": ("draft_length", "max_k", int), "conf": ("draft_model", "min_confidence", float),
+    "vocab": ("draft_model", "vocab", int), "ngram": ("lookup", "max_ngram", int),
+    "ngram_min": ("lookup", "min_ngram", int), "ctx": ("draft_model", "context", int),
+    "check": ("hybrid", "check", str),
+    "branches": ("lookup_tree", "branches", int), "nodes": ("lookup_tree", "nodes", int),
+    "depth": ("lookup_tree", "depth", int), "width": ("draft_tree", "width", int),
+}
+# options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
+_HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
+              "heads": ("heads", "name", str)}
+
+
+def method_name(spec: str) -> str:
+    """The method a spec such as 'draft:k=4' runs ('draft')."""
+    return spec.partition(":")[0].strip()
+
+
+def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
+    """'draft:k=4,schedule=fixed,conf=0.4' -> a MethodConfig (unset fields come from `base`)."""
+    opts = spec.partition(":")[2]
+    cfg = replace(base or MethodConfig(), name=method_name(spec))
+    parts: dict[str, dict[str, object]] = {}
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, eq, value = item.partition("=")
+        keys = _HEAD_KEYS if cfg.name in HEAD_METHODS else _SPEC_KEYS
+        if not eq or key not in keys:
+            raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(keys)}")
+        group, field_name, cast = keys[key]
+        try:
+            parts.setdefault(group, {})[field_name] = cast(value)
+        except ValueError:
+            raise SpeculantError(f"method option {key} must be {cast.__name__}, got {value!r}") from None
+    dl = cfg.draft_length
+    if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"]:
+        parts["draft_length"]["max_k"] = max(dl.max_k, int(parts["draft_length"]["k"]))
+    return replace(cfg, **{g: replace(getattr(cfg, g), **kv) for g, kv in parts.items()})
