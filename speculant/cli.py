@@ -34,7 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 5)")
     p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 4)")
     p.add_argument("--dtype", default=None, help="weight format: gguf (a .gguf file's own block types, the default for .gguf files), "
-                   "bf16/f16 (default for HF folders storing them), q8_0, q5_1, q5_0, q4_1, q4_0 (quantize on load), "
+                   "bf16/f16 (default for HF folders storing them), q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0 (quantize on load), "
                    "int8, float32 (the reference)")
     p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")

@@ -28,7 +28,9 @@ from torch import Tensor
 
 from ..errors import SpeculantError
 from .config import ModelConfig
-from .formats import CALIBRATED, GGMLEmbedding, GGMLLinear, QLinear, linear_from_state, make_linear
+from . import native
+from .formats import (CALIBRATED, HEAD_FORMAT, KQUANT_FORMATS, GGMLEmbedding, GGMLLinear, QLinear, linear_from_state,
+                      make_linear)
 from .calibration import calibrate_layer
 from .transformer import Block, Transformer, rope_tables
 
@@ -104,7 +106,7 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     if fmt == "gguf":
         if not hasattr(src, "part"):
             raise SpeculantError("--dtype gguf takes a .gguf file's own block types; for a Hugging Face folder "
-                                 "choose bf16, f16, q8_0, q5_1, q5_0, q4_1, q4_0, int8 or float32")
+                                 "choose bf16, f16, q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0, int8 or float32")
         return build_native(src, label)
     cfg = src.config
     cached = None
@@ -141,7 +143,7 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
         head_absmax = None
         if calib:
             head_absmax = F.rms_norm(x, (cfg.dim,), norm, cfg.norm_eps).abs().amax(dim=0)
-        lm_head = make_linear(head_w, None, fmt, head_absmax)
+        lm_head = make_linear(head_w, None, HEAD_FORMAT.get(fmt, fmt), head_absmax)
         advance()
     if embed.shape != (cfg.vocab_size, cfg.dim):
         raise SpeculantError(f"embedding shape {tuple(embed.shape)} does not match the config ({cfg.vocab_size}, {cfg.dim})")
@@ -164,6 +166,8 @@ def cache_key(src: WeightSource, fmt: str, calibration_ids: list[int] | None) ->
     calib = ""
     if fmt in CALIBRATED and calibration_ids:
         calib = hashlib.sha256(",".join(map(str, calibration_ids)).encode()).hexdigest()[:16]
+    if fmt in KQUANT_FORMATS:  # quantized by kernels/kquant.c: its source is the quantizer's version
+        quantizer += "|kquant " + hashlib.sha256(native.KQUANT_SOURCE.read_bytes()).hexdigest()[:16]
     text = f"{_CACHE_VERSION}|{src.fingerprint()}|{fmt}|gguf {quantizer}|calibration {calib}"
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

@@ -27,8 +27,9 @@ import torch
 from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = (_KERNELS / "gq.c", _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
-PORTABLE_SOURCES = (_KERNELS / "gq.c",)
+KQUANT_SOURCE = _KERNELS / "kquant.c"
+SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
+PORTABLE_SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE)
 HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
 _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _FLAGS = _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c")
@@ -143,6 +144,8 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
     for name in ("gq_supported", "gq_block_bytes", "gq_block_values"):
         getattr(lib, name).argtypes = [i32]
         getattr(lib, name).restype = i32
+    lib.gq_quantize_k.argtypes = [i32, p, i64, i64, p, i32]
+    lib.gq_quantize_k.restype = i32
     lib.gq_isa.argtypes = []
     lib.gq_isa.restype = i32
     if full:

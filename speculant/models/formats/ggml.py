@@ -26,12 +26,15 @@ from ...errors import SpeculantError
 from .. import native
 from .base import QLinear, SHORT_PASS_MAX
 
-# --dtype names that quantize float weights into a GGML type on load (gguf's reference quantizers)
+# --dtype names that quantize float weights into a GGML type on load: the K-quants by kernels/kquant.c
+# (llama.cpp's reference algorithms), the others by the gguf package's reference quantizers
 GGML_TYPES: dict[str, GGMLQuantizationType] = {
-    "q8_0": GGMLQuantizationType.Q8_0, "q5_1": GGMLQuantizationType.Q5_1, "q5_0": GGMLQuantizationType.Q5_0,
+    "q6_k": GGMLQuantizationType.Q6_K, "q4_k": GGMLQuantizationType.Q4_K, "q8_0": GGMLQuantizationType.Q8_0, "q5_1": GGMLQuantizationType.Q5_1, "q5_0": GGMLQuantizationType.Q5_0,
     "q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "bf16": GGMLQuantizationType.BF16,
     "f16": GGMLQuantizationType.F16,
 }
+# what llama.cpp's quantizer uses for a tensor whose rows are not whole 256-value K-quant blocks
+K_FALLBACK = {GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0}
 _CHUNK_BYTES = 32 << 20  # prefill: dequantize at most this much float32 weight at a time
 
 
@@ -208,17 +211,35 @@ class GGMLLinear(QLinear):
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None, fmt: str) -> "GGMLLinear":
-        """Quantize weight[N, K] into the GGML type `fmt` names, with the gguf package's quantizers."""
+        """Quantize weight[N, K] into the GGML type `fmt` names (kquant.c for the K-quants, else the
+        gguf package's quantizers)."""
         from gguf import quants
 
         qtype = GGML_TYPES[fmt]
-        native.gq_library()  # fail before the (slow) quantization where the kernels cannot run
+        if weight.shape[1] % 256 and qtype in K_FALLBACK:  # K-quant blocks are 256 wide (Qwen2.5-0.5B: 896)
+            qtype = K_FALLBACK[qtype]
+        lib = native.gq_library()  # fail before the (slow) quantization where the kernels cannot run
         w = weight.detach().float().contiguous().numpy()
+        if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            return cls([Part(int(qtype), quantize_k(lib, w, qtype))], weight.shape[1], bias)
         try:
             data = quants.quantize(w, qtype)
         except (ValueError, NotImplementedError) as e:
             raise SpeculantError(f"cannot quantize a {tuple(weight.shape)} weight to {fmt}: {e}") from None
         return cls([Part(int(qtype), np.ascontiguousarray(data))], weight.shape[1], bias)
+
+
+def quantize_k(lib: ctypes.CDLL, w: np.ndarray, qtype: GGMLQuantizationType, threads: int | None = None) -> np.ndarray:
+    """w[N, K] float32 -> [N, row bytes] uint8 in Q4_K or Q6_K (kernels/kquant.c)."""
+    n, k = w.shape
+    out = np.empty((n, row_bytes(int(qtype), k)), dtype=np.uint8)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rc = lib.gq_quantize_k(int(qtype), w.ctypes.data, n, k, out.ctypes.data, threads or torch.get_num_threads())
+    if rc == -5:
+        raise SpeculantError(f"cannot quantize a {tuple(w.shape)} weight to {qtype.name}: it holds NaN or infinite values")
+    if rc:
+        raise SpeculantError(f"cannot quantize a {tuple(w.shape)} weight to {qtype.name} (error {rc})")
+    return out
 
 
 _ERRORS = {
