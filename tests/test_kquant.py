@@ -107,7 +107,7 @@ def test_the_files_own_blocks_come_back_from_their_values():
 
 def test_hf_folder_in_q4_k_runs_and_speculates_exactly(tmp_path: Path):
     """A tiny Qwen2 folder loaded with --dtype q4_k: Q4_K linears, the output layer in Q6_K, the 320-wide
-    down projection (not whole 256-value blocks) in Q5_0 as llama.cpp would; close to float32; the draft
+    down projection (not whole 256-value blocks) in Q5_0 as llama.cpp would; closer to float32 than q4_0; the draft
     method with itself as the draft gives ar's tokens."""
     folder = save_tiny(tmp_path, "Qwen2ForCausalLM", torch.bfloat16, hidden_size=256, intermediate_size=320,
                        num_attention_heads=4, num_key_value_heads=2)
@@ -120,7 +120,9 @@ def test_hf_folder_in_q4_k_runs_and_speculates_exactly(tmp_path: Path):
     ref = build_transformer(HFSource(folder), "float32", cache_dir=None, progress=False)
     got = model(torch.tensor(ids), model.new_cache(len(ids))).logits
     want = ref(torch.tensor(ids), ref.new_cache(len(ids))).logits
-    assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
+    q4_0 = build_transformer(HFSource(folder), "q4_0", cache_dir=None, progress=False)
+    base = q4_0(torch.tensor(ids), q4_0.new_cache(len(ids))).logits
+    assert float((got - want).abs().mean()) < 0.8 * float((base - want).abs().mean())  # closer than Q4_0's 4.5 bits
     cached = build_transformer(HFSource(folder), "q4_k", cache_dir=tmp_path / "cache", progress=False)
     assert torch.equal(cached(torch.tensor(ids), cached.new_cache(len(ids))).logits, got)  # the cache holds the bytes
     loaded = LoadedModel(name="tiny", path=folder, model=model, tokenizer=tiny_tokenizer(97), dtype="q4_k")
