@@ -51,6 +51,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hybrid-check", choices=("auto", "always", "never"), default=None,
                    help="hybrid: does the draft model check prompt lookup's guesses? auto (default: whichever yields "
                         "more per cost in this generation), always, never")
+    p.add_argument("--governor", choices=("auto", "on", "off"), default=None,
+                   help="fall back to plain rounds while speculating is measured slower: auto (default: for greedy "
+                        "and unseeded sampling, whose output cannot depend on timing), on (also with --seed: the "
+                        "draws then need not repeat run to run), off")
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--ngram-min", type=int, default=None,
                    help="shortest n-gram prompt lookup accepts as a match (default: 1 for lookup, 2 for hybrid)")
@@ -158,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
     from .engine import Engine
+    from .governor import GovernorConfig
     from .method import MODEL_METHODS, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
@@ -194,6 +199,7 @@ def load_engine(args: argparse.Namespace):
         ),
         HybridConfig(args.hybrid_check or HybridConfig().check),
         heads=heads,
+        governor=GovernorConfig(args.governor or GovernorConfig().mode),
     )
     progress = not args.no_progress
     target = load_model(args.model, args.dtype, device=args.device, progress=progress)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SpeculantError
+from .governor import Governor
 from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
 from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter
 from .methods.draft_model import DraftModelDrafter, reduced_head
@@ -206,6 +207,8 @@ class Engine:
         sampler.start(ids)
         drafter = self._drafter(sampler, max_len, kept.draft)
         policy = DraftLength(self.method.draft_length)
+        # speculative or plain rounds, whichever is measured faster (governor.py)
+        governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling))
         nodes = getattr(drafter, "nodes", None)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
@@ -235,7 +238,8 @@ class Engine:
             if room < 0:
                 out.finish("length")
                 break
-            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if drafter is not None else 0
+            speculate = drafter is not None and governor.speculate
+            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculate else 0
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()
@@ -245,7 +249,7 @@ class Engine:
                 sampler.push(new)
                 drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
                 policy.update(n, kd)
-                self._finish_round(stats, ta, tb, kd, n)
+                self._finish_round(stats, governor, speculate, ta, tb, kd, n)
                 yield from out.push(new, drafted=n, proposed=kd)
                 pending = new[-1]
                 continue
@@ -269,7 +273,7 @@ class Engine:
                 hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
                 drafter.commit([pending] + new[:n], kd, **hidden)
                 policy.update(n, kd)
-            self._finish_round(stats, ta, tb, kd, n)
+            self._finish_round(stats, governor, speculate or drafter is None, ta, tb, kd, n)
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
@@ -278,9 +282,15 @@ class Engine:
         yield Done(out.text, out.token_ids, out.reason, stats)
 
     @staticmethod
-    def _finish_round(stats: Stats, ta: float, tb: float, kd: int, n: int) -> None:
+    def _finish_round(stats: Stats, governor: Governor, speculated: bool, ta: float, tb: float, kd: int,
+                      n: int) -> None:
+        now = time.perf_counter()
+        governor.record(n + 1, now - ta)
+        if not speculated:  # the governor's plain round
+            stats.record_paused(now - ta)
+            return
         stats.draft_seconds += tb - ta
-        stats.target_seconds += time.perf_counter() - tb
+        stats.target_seconds += now - tb
         stats.record_round(kd, n)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .errors import SpeculantError
+from .governor import GovernorConfig
 from .heads.runtime import HeadsConfig
 from .methods.base import DraftLengthConfig
 from .methods.draft_model import DraftModelConfig
@@ -29,6 +30,7 @@ class MethodConfig:
     lookup_tree: LookupTreeConfig = field(default_factory=LookupTreeConfig)
     draft_tree: DraftTreeConfig = field(default_factory=DraftTreeConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
+    governor: GovernorConfig = field(default_factory=GovernorConfig)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -43,10 +45,11 @@ _SPEC_KEYS = {
     "check": ("hybrid", "check", str),
     "branches": ("lookup_tree", "branches", int), "nodes": ("lookup_tree", "nodes", int),
     "depth": ("lookup_tree", "depth", int), "width": ("draft_tree", "width", int),
+    "governor": ("governor", "mode", str),
 }
 # options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
 _HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
-              "heads": ("heads", "name", str)}
+              "heads": ("heads", "name", str), "governor": ("governor", "mode", str)}
 
 
 def method_name(spec: str) -> str:

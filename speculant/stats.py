@@ -14,13 +14,20 @@ class Stats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     target_forwards: int = 0  # the prefill included
-    rounds: int = 0  # decode rounds, one target forward each
+    rounds: int = 0  # speculative decode rounds, one target forward each
+    paused_rounds: int = 0  # plain rounds the governor chose (governor.py), also one target forward each
+    paused_seconds: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     emitted_in_rounds: int = 0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     accepted_length_histogram: list[int] = field(default_factory=list)  # [n] = rounds accepting n drafts
+
+    def record_paused(self, seconds: float) -> None:
+        self.paused_rounds += 1
+        self.target_forwards += 1
+        self.paused_seconds += seconds
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.rounds += 1
@@ -44,7 +51,7 @@ class Stats:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens emitted per target forward in decoding (tau): 1.0 for plain decoding."""
+        """Tokens emitted per speculative round (tau): 1.0 for plain decoding."""
         return self.emitted_in_rounds / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict[str, object]:
@@ -53,6 +60,6 @@ class Stats:
         d["decode_tokens_per_second"] = round(self.decode_tokens_per_second, 3)
         d["acceptance_rate"] = round(self.acceptance_rate, 4)
         d["mean_accepted_tokens"] = round(self.mean_accepted_tokens, 4)
-        for k in ("prefill_seconds", "decode_seconds", "draft_seconds", "target_seconds"):
+        for k in ("prefill_seconds", "decode_seconds", "draft_seconds", "target_seconds", "paused_seconds"):
             d[k] = round(d[k], 4)
         return d

@@ -11,6 +11,7 @@ from conftest import tiny_model
 from speculant.engine import Chunk, Done, Engine, GenerationConfig
 from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
+from speculant.governor import GovernorConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
@@ -83,10 +84,11 @@ def test_stats_are_consistent(pair):
     done = Engine(target, draft, MethodConfig("draft")).generate(PROMPT, GenerationConfig(max_new_tokens=30))
     s = done.stats
     assert s.generated_tokens == 30 and s.prompt_tokens == len(PROMPT)
-    assert s.rounds == s.target_forwards - 1 == sum(s.accepted_length_histogram)
+    # the governor's plain rounds (if it found them faster) are counted apart from the speculative ones
+    assert s.rounds + s.paused_rounds == s.target_forwards - 1 and s.rounds == sum(s.accepted_length_histogram)
     assert s.accepted_tokens == sum(i * c for i, c in enumerate(s.accepted_length_histogram))
-    assert s.emitted_in_rounds == 29  # the prefill gave the first token
-    assert s.mean_accepted_tokens == pytest.approx(29 / s.rounds)
+    assert s.emitted_in_rounds + s.paused_rounds == 29  # the prefill gave the first token
+    assert s.mean_accepted_tokens == pytest.approx(s.emitted_in_rounds / s.rounds)
 
 
 @pytest.mark.parametrize("method", ["ar", "lookup", "draft", "hybrid"])
@@ -163,6 +165,10 @@ METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
     ("hybrid", SamplingConfig(1.0, top_p=0.8)),
     ("hybrid-never", SamplingConfig(0.8, top_k=3)),  # unchecked guesses, then the model's own drafts
     ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
+    # the governor turns rounds plain and back (2 rounds each way, then up to 4 by measured speed)
+    ("draft-governed", SamplingConfig(1.0, top_p=0.9)),
+    ("lookup-governed", SamplingConfig(0.8)),
+    ("hybrid-governed", PENALTIES),
     *((m, PENALTIES) for m in METHODS_SAMPLED),
     *((m, MIN_P_BIAS) for m in METHODS_SAMPLED),
 ])
@@ -177,7 +183,7 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     """
     name, _, variant = method.partition("-")
     # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
-    V, n_tok, runs = 4, 6 if variant == "heuristic" else 4, 3000
+    V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed") else 4, 3000
     target = tiny_model(V, seed=5, logit_scale=0.2)
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
@@ -190,10 +196,11 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
         DraftLengthConfig(k=3, schedule="fixed")
     dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0)
     check = variant if variant in ("always", "never") else "auto"
+    governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if variant == "governed" else GovernorConfig()
     e = Engine(target, draft if name in ("draft", "hybrid") else None,
-               MethodConfig(name, length, lookup, dm, HybridConfig(check)))
+               MethodConfig(name, length, lookup, dm, HybridConfig(check), governor=governor))
     counts = torch.zeros(n_tok, V)
-    drafted = accepted = 0
+    drafted = accepted = paused = 0
     grew = False
     for i in range(runs):
         s = replace(sampling, seed=1000 + i)
@@ -201,12 +208,14 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
         counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
         drafted += done.stats.drafted_tokens
         accepted += done.stats.accepted_tokens
+        paused += done.stats.paused_rounds
         grew |= done.stats.drafted_tokens > done.stats.rounds  # a round drafted more than one token
     assert drafted >= (runs if confidence == 0 else runs // 4) and 0 < accepted < drafted  # with rejections
     if confidence:
         assert drafted < 2 * runs  # the stop cut drafts short
     if variant == "heuristic":
         assert grew  # from k=1, only the schedule drafts more
+    assert (paused > runs // 5) if variant == "governed" else paused == 0  # seeded: auto does not govern
     if variant == "vocab":
         assert counts[1:, 3].sum() > 0  # the target still emits the id the draft cannot propose
     for j in range(n_tok):

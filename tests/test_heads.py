@@ -11,6 +11,7 @@ from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
 from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
+from speculant.governor import GovernorConfig
 from speculant.heads.config import default_config
 from speculant.heads.formats import save_head
 from speculant.heads.modules import build_head, init_from_target
@@ -79,23 +80,29 @@ V, RUNS = 4, 1500
     ("eagle3", SamplingConfig(1.0)),
     ("eagle2", SamplingConfig(0.8, top_k=3)),
     ("medusa", PENALTIES),
+    ("eagle3-governed", SamplingConfig(0.9)),  # plain rounds between tree rounds (governor.py)
 ])
 def test_sampled_distribution_exact(method, sampling, tmp_path):
     """Chi-square of every position against the target-only marginals (head trees are deterministic:
     q = None), with acceptance strictly between none and all."""
     target = tiny_model(V, seed=5, logit_scale=0.2, layers=3)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    n_tok = 4
+    method, _, governed = method.partition("-")
+    n_tok = 5 if governed else 4
     exp = _exact_marginals(target, prompt, sampling, n_tok)
     e = engine(target, method, random_head(target, method, tmp_path, seed=3), nodes=5, depth=3, topk=2)
+    if governed:
+        e = Engine(target, method=replace(e.method, governor=GovernorConfig("on", probe=2, hold=2, max_hold=4)))
     counts = torch.zeros(n_tok, V)
-    drafted = accepted = 0
+    drafted = accepted = paused = 0
     for i in range(RUNS):
         done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=replace(sampling, seed=1000 + i)))
         counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
         drafted += done.stats.drafted_tokens
         accepted += done.stats.accepted_tokens
+        paused += done.stats.paused_rounds
     assert 0 < accepted < drafted
+    assert (paused > RUNS // 5) if governed else paused == 0
     for j in range(n_tok):
         keep = exp[j] * RUNS > 5
         obs, ex = counts[j][keep], exp[j][keep] * RUNS

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from conftest import tiny_model
 from speculant.candidates import Dist, draw
 from speculant.engine import Engine, GenerationConfig
+from speculant.governor import GovernorConfig
 from speculant.method import MethodConfig, parse_method
 from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
@@ -127,7 +128,8 @@ def test_tree_stats_and_parse_method():
     target = tiny_model(32, seed=1, logit_scale=3.0)
     done = Engine(target, method=MethodConfig("lookup_tree")).generate(PROMPT, GenerationConfig(max_new_tokens=40))
     st = done.stats
-    assert st.rounds + 1 == st.target_forwards and st.emitted_in_rounds + 1 == len(done.token_ids)
+    assert st.rounds + st.paused_rounds + 1 == st.target_forwards
+    assert st.emitted_in_rounds + st.paused_rounds + 1 == len(done.token_ids)
     assert st.drafted_tokens > st.accepted_tokens > 0
     m = parse_method("lookup_tree:branches=3,nodes=12,depth=5,ngram=4")
     assert m.name == "lookup_tree" and m.lookup_tree == LookupTreeConfig(3, 12, 5) and m.lookup.max_ngram == 4
@@ -176,18 +178,21 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
     """Chi-square of every position against the exact target-only marginals; the smallest p-value."""
     target = tiny_model(V, seed=5, logit_scale=0.2)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    n_tok = 4
+    drafter, _, governed = drafter.partition("-")  # "-governed": plain rounds between tree rounds
+    governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()
+    n_tok = 5 if governed else 4
     exp = _exact_marginals(target, prompt, sampling, n_tok)
     counts = torch.zeros(n_tok, V)
-    drafted = accepted = 0
+    drafted = accepted = paused = 0
     for i in range(RUNS):
         if drafter == "lookup_tree":
             e = Engine(target, method=MethodConfig("lookup_tree", lookup=LookupConfig(2, 1),
-                                                   lookup_tree=LookupTreeConfig(3, 6, 3)))
+                                                   lookup_tree=LookupTreeConfig(3, 6, 3), governor=governor))
         elif drafter == "draft_tree":  # sampled chain tokens with their q, runner-up siblings one-hot
             e = Engine(target, tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1),
                        MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
-                                    draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2)))
+                                    draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2),
+                                    governor=governor))
         else:
             kind = WrongQ if drafter == "wrong" else RandomTree
             e = with_drafter(Engine(target, method=MethodConfig("lookup")),
@@ -196,7 +201,9 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
         counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
         drafted += done.stats.drafted_tokens
         accepted += done.stats.accepted_tokens
+        paused += done.stats.paused_rounds
     assert 0 < accepted < drafted
+    assert (paused > RUNS // 5) if governed else paused == 0
     pvalues = []
     for j in range(n_tok):
         keep = exp[j] * RUNS > 5
@@ -210,6 +217,8 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
     ("lookup_tree", PENALTIES),
     ("draft_tree", SamplingConfig(1.0)),
     ("draft_tree", PENALTIES),
+    ("lookup_tree-governed", SamplingConfig(0.9)),
+    ("draft_tree-governed", PENALTIES),
     ("topb", SamplingConfig(0.9, top_k=3)),
     ("iid", SamplingConfig(1.0, top_p=0.9)),
     ("without", SamplingConfig(1.0)),

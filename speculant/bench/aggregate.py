@@ -6,7 +6,9 @@ Definitions (all sums run over the prompts of one group, one method):
   prefill includes the drafter's own prefill (a draft model reads the prompt too).
 - decode tokens/s: (generated tokens - 1) / decode seconds: the first token comes from the prefill.
 - speedup: tokens/s of the method / tokens/s of the reference (`ar`) on the same prompts.
-- acceptance: accepted drafts / drafted tokens. tau: tokens emitted per decode round (1 for `ar`).
+- acceptance: accepted drafts / drafted tokens. tau: tokens emitted per speculative round (1 for `ar`).
+- paused: the share of decode rounds the governor ran plain (governor.py); tau, k, c and r describe
+  the speculative rounds alone.
 - draft cost c: seconds of drafting per round / seconds of one `ar` target forward.
 - Leviathan et al. (2023), with alpha = acceptance, k = drafted tokens per round, c_tok = drafting
   seconds per drafted token / `ar` target seconds per round and r = the method's target seconds per
@@ -38,6 +40,7 @@ class Record:
     prefill_seconds: float | None = None  # None for peers that do not split it
     decode_seconds: float | None = None
     rounds: int = 0
+    paused_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_seconds: float = 0.0
@@ -55,8 +58,8 @@ class Record:
                    first_mismatch: int | None = None, method: str | None = None) -> Record:
         return cls(prompt_id, category, method or stats.method, stats.prompt_tokens, stats.generated_tokens,
                    stats.prefill_seconds + stats.decode_seconds, stats.prefill_seconds, stats.decode_seconds,
-                   stats.rounds, stats.drafted_tokens, stats.accepted_tokens, stats.draft_seconds,
-                   stats.target_seconds, matches_reference, first_mismatch)
+                   stats.rounds, stats.paused_rounds, stats.drafted_tokens, stats.accepted_tokens,
+                   stats.draft_seconds, stats.target_seconds, matches_reference, first_mismatch)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -81,6 +84,7 @@ class Aggregate:
     predicted_speedup: float | None
     mismatches: int
     tau_model_speedup: float | None = None  # tau / (c + r): measured tokens per round over its cost
+    paused: float | None = None  # share of decode rounds the governor ran plain
 
     def to_dict(self) -> dict[str, object]:
         return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -117,6 +121,7 @@ class _Sums:
     decode_seconds: float = 0.0
     split: bool = True  # every record has a prefill/decode split
     rounds: int = 0
+    paused: int = 0
     drafted: int = 0
     accepted: int = 0
     draft_seconds: float = 0.0
@@ -133,6 +138,7 @@ class _Sums:
             self.decode_tokens += max(r.generated_tokens - 1, 0)
             self.decode_seconds += r.decode_seconds
         self.rounds += r.rounds
+        self.paused += r.paused_rounds
         self.drafted += r.drafted_tokens
         self.accepted += r.accepted_tokens
         self.draft_seconds += r.draft_seconds
@@ -183,7 +189,7 @@ def aggregate(records: Iterable[Record], reference: str = "ar") -> list[Aggregat
         tau_model = tau / (draft_cost + verify_cost) if tau and verify_cost else None
         out.append(Aggregate(method, cat, s.prompts, s.tokens, s.seconds, s.tps, s.decode_tps, speedup,
                              decode_speedup, alpha, tau, k, draft_cost, verify_cost, predicted, s.mismatches,
-                             tau_model))
+                             tau_model, _div(s.paused, s.paused + s.rounds) if speculative else None))
     order = {c: i for i, c in enumerate(dict.fromkeys(cat for cat, _ in groups))}
     order[ALL] = len(order) + 1
     return sorted(out, key=lambda a: order[a.category])

@@ -52,7 +52,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             action.help = argparse.SUPPRESS
     m.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                    help="methods to compare: ar, draft, lookup, hybrid, or variants such as draft:k=4,schedule=fixed "
-                        "(keys: k, schedule, max_k, conf, vocab, ctx, ngram, ngram_min, check)")
+                        "(keys: k, schedule, max_k, conf, vocab, ctx, ngram, ngram_min, check, governor)")
     m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
     m.add_argument("--categories", nargs="+", default=[], help="Spec-Bench categories (e.g. summarization rag)")
     m.add_argument("--count", type=int, default=20, help="prompts per category")
@@ -176,7 +176,7 @@ def _methods(args: argparse.Namespace) -> int:
         "min_confidence": base.method.draft_model.min_confidence, "lookup_max_ngram": base.method.lookup.max_ngram,
         "lookup_min_ngram": base.method.lookup.min_ngram,
         "draft_vocab": base.method.draft_model.vocab, "draft_context": base.method.draft_model.context,
-        "hybrid_check": base.method.hybrid.check,
+        "hybrid_check": base.method.hybrid.check, "governor": base.method.governor.mode,
     }
     tables = methods_tables(result)
     console = stdout_console()

@@ -143,7 +143,7 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
 def methods_tables(result: MethodsResult) -> list[Table]:
     ref = result.config.reference
     cols = ("category", "method", "prompts", "tokens", "tok/s", "decode tok/s", "speedup", "decode speedup",
-            "predicted", "tau model", "accept %", "tau", "k", "c", "r", "match")
+            "predicted", "tau model", "accept %", "tau", "k", "c", "r", "paused %", "match")
     rows, styles = [], []
     for a in result.aggregates:
         peer = method_name(a.method) not in METHODS
@@ -154,6 +154,7 @@ def methods_tables(result: MethodsResult) -> list[Table]:
                      fmt(a.predicted_speedup, 2, "x"), fmt(a.tau_model_speedup, 2, "x"),
                      fmt(None if a.acceptance_rate is None else 100 * a.acceptance_rate, 1), fmt(a.tau, 2),
                      fmt(a.draft_len, 2), fmt(a.draft_cost, 3), fmt(a.verify_cost, 2),
+                     fmt(None if a.paused is None else 100 * a.paused, 1),
                      f"{same}/{len(recs)}" if result.config.sampling.greedy else "-"))
         styles.append("bold red" if a.mismatches else ("dim" if peer else None))
     notes = [
@@ -163,7 +164,8 @@ def methods_tables(result: MethodsResult) -> list[Table]:
         "(1 - a^(k+1)) / ((1 - a)(k c_tok + r)) (assumes i.i.d. acceptance); tau model = tau / (c + r) "
         "(the measured tokens per round over the round's measured cost); both vs decode speedup.",
         "accept = accepted / drafted; tau = tokens per decode round; k = drafted per round; c = drafting s per "
-        f"round / {ref} target s per round; r = target s per round / {ref}'s.",
+        f"round / {ref} target s per round; r = target s per round / {ref}'s; these describe the speculative "
+        "rounds: paused = share of decode rounds the governor ran plain because they were measured faster.",
         f"match = generations whose tokens equal {ref}'s (greedy exactness; for hf-* peers only informational).",
     ]
     if note := load_note(result.machine):
