@@ -233,6 +233,15 @@ static void decode_32(int t, const uint8_t *b, drow *r, int64_t i) {
     r->dm[i] = o;
 }
 
+/* The 8 six-bit scales and mins of a Q4_K/Q5_K superblock (q4k_scales, on 32-bit words). */
+static inline void q4k_scales_swar(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4); memcpy(&b, s + 4, 4); memcpy(&c, s + 8, 4);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, top2 = 0x30303030u;
+    *sc = (uint64_t)(a & lo6) | (uint64_t)((c & lo4) | ((a >> 2) & top2)) << 32;
+    *mn = (uint64_t)(b & lo6) | (uint64_t)(((c >> 4) & lo4) | ((b >> 2) & top2)) << 32;
+}
+
 #if GQ_AVX2
 /* The hot decoders with AVX2 (same results as the loops above, which remain for other types). */
 static inline void decode_q4k_avx2(const uint8_t *b, drow *r, int64_t sb, int q5) {
@@ -425,6 +434,32 @@ static inline float hsum16_512(__m512 v) { /* = hsum16_lanes */
 }
 #endif
 
+#if GQ_AVX2 && !GQ_512
+/* DOT_K_SB for AVX2 builds: U[k] = u of values 32k..32k+31, S[k] their pair scales; lanes 0-7 (lo) take
+ * values 64c..64c+31 of each chunk c, lanes 8-15 (hi) 64c+32..64c+63. Shared by dot_k and dot_k_raw. */
+#if GQ_VNNI
+#define GQ_DPWSSD(I, p, s) _mm256_dpwssd_avx_epi32(I, p, s)
+#else
+#define GQ_DPWSSD(I, p, s) _mm256_add_epi32(I, _mm256_madd_epi16(p, s))
+#endif
+#define DOT_K_SB_AVX2(R, U, S, mn, d, dm)                                                                     \
+    for (int m = 0; m < (R); m++) {                                                                           \
+        const int8_t *x = xq + m * K + sb * 256;                                                              \
+        __m256i I0 = _mm256_setzero_si256(), I1 = _mm256_setzero_si256();                                     \
+        for (int c = 0; c < 4; c++) {                                                                         \
+            I0 = GQ_DPWSSD(I0, _mm256_maddubs_epi16(U[2 * c], _mm256_loadu_si256((const __m256i *)(x + 64 * c))), S[2 * c]); \
+            I1 = GQ_DPWSSD(I1, _mm256_maddubs_epi16(U[2 * c + 1], _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))), \
+                           S[2 * c + 1]);                                                                     \
+        }                                                                                                     \
+        const __m256i Sm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + m * (K / 16) + sb * 16))); \
+        const float dx = xd[m * nsb + sb];                                                                    \
+        const __m256 a = _mm256_set1_ps((d) * dx);                                                            \
+        lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), a, lo[m]);                                            \
+        hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), a, hi[m]);                                            \
+        accm[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sm), _mm256_set1_ps((dm) * dx), accm[m]);                \
+    }
+#endif
+
 /* K-quants: out[m] = dot(row, x row m) for R rows (R a compile-time constant where inlined). */
 static inline __attribute__((always_inline)) void dot_k(
     const int R, const drow *w, const int64_t nsb, const int8_t *xq, const int64_t K, const float *xd,
@@ -452,33 +487,14 @@ static inline __attribute__((always_inline)) void dot_k(
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *u = w->u + sb * 256;
         const int16_t *se = w->sce + sb * 128;
+        __m256i U[8], S[8];
+        for (int k = 0; k < 8; k++) {
+            U[k] = _mm256_loadu_si256((const __m256i *)(u + 32 * k));
+            S[k] = _mm256_loadu_si256((const __m256i *)(se + 16 * k));
+        }
         const __m256i mn = _mm256_loadu_si256((const __m256i *)(w->mn + sb * 16));
         const float d = w->d[sb], dm = w->dm[sb];
-        for (int m = 0; m < R; m++) {
-            const int8_t *x = xq + m * K + sb * 256;
-            __m256i I0 = _mm256_setzero_si256(), I1 = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                const __m256i p0 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + 64 * c)),
-                                                        _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
-                const __m256i p1 = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(u + 64 * c + 32)),
-                                                        _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
-                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(se + 32 * c));
-                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(se + 32 * c + 16));
-#if GQ_VNNI
-                I0 = _mm256_dpwssd_avx_epi32(I0, p0, s0);
-                I1 = _mm256_dpwssd_avx_epi32(I1, p1, s1);
-#else
-                I0 = _mm256_add_epi32(I0, _mm256_madd_epi16(p0, s0));
-                I1 = _mm256_add_epi32(I1, _mm256_madd_epi16(p1, s1));
-#endif
-            }
-            const __m256i Sm = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + m * (K / 16) + sb * 16)));
-            const float dx = xd[m * nsb + sb];
-            const __m256 a = _mm256_set1_ps(d * dx);
-            lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), a, lo[m]);
-            hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), a, hi[m]);
-            accm[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Sm), _mm256_set1_ps(dm * dx), accm[m]);
-        }
+        DOT_K_SB_AVX2(R, U, S, mn, d, dm);
     }
     for (int m = 0; m < R; m++) out[m] = hsum16_avx(lo[m], hi[m]) - hsum8_avx(accm[m]);
 #else
@@ -513,15 +529,6 @@ static inline __attribute__((always_inline)) void dot_k(
  * registers, the canonical u, scale and min vectors that decode_row + dot_k would store and load, then
  * the same integer and float operations as dot_k's, so the outputs are the same bits. It saves decode_row's
  * stores and reloads and its scalar scale unpacking: the decode was ~3/4 of a Q4_K row's work at M = 1. */
-
-/* The 8 six-bit scales and mins of a Q4_K/Q5_K superblock (q4k_scales, on 32-bit words). */
-static inline void q4k_scales_swar(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
-    uint32_t a, b, c;
-    memcpy(&a, s, 4); memcpy(&b, s + 4, 4); memcpy(&c, s + 8, 4);
-    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, top2 = 0x30303030u;
-    *sc = (uint64_t)(a & lo6) | (uint64_t)((c & lo4) | ((a >> 2) & top2)) << 32;
-    *mn = (uint64_t)(b & lo6) | (uint64_t)(((c >> 4) & lo4) | ((b >> 2) & top2)) << 32;
-}
 
 /* S[c]: the int16 scale of each pair of values 64c..64c+63 (pair p is in group 4c + p / 8) from the 16
  * group scales g16 (int16, in the low 256 bits). */
@@ -591,6 +598,61 @@ static inline __attribute__((always_inline)) void dot_k_raw(
 }
 #endif
 
+#if GQ_AVX2 && !GQ_512
+/* Q4_K and Q6_K straight from the file's bytes on AVX2 / AVX-VNNI builds, as the 512-bit path does:
+ * U, S and mn are the vectors dot_k would load from decode_row's output, built in registers. */
+static inline void regs_q4k_avx2(const uint8_t *b, __m256i U[8], __m256i S[8], __m256i *mn, float *d, float *dm) {
+    uint64_t sc8, mn8;
+    q4k_scales_swar(b + 4, &sc8, &mn8);
+    /* S[k] = sub-block k's scale in every lane: one byte shuffle each from the 8 scales zero-extended */
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+    for (int k = 0; k < 8; k++) S[k] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * k)));
+    *mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128((long long)mn8), _mm_cvtsi64_si128((long long)mn8)));
+    const __m256i lo = _mm256_set1_epi8(0x0f);
+    for (int j = 0; j < 4; j++) { /* qs bytes 32j..: values 64j + i low nibbles, 64j + 32 + i high */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
+        U[2 * j] = _mm256_and_si256(q, lo);
+        U[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo);
+    }
+    *d = rdh(b);
+    *dm = rdh(b + 2);
+}
+
+static inline void regs_q6k_avx2(const uint8_t *b, __m256i U[8], __m256i S[8], __m256i *mn, float *d, float *dm) {
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192)); /* 16 int8 group scales */
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int k = 0; k < 8; k++) /* values 32k..: groups 2k (pairs 0-7) and 2k + 1 (pairs 8-15) */
+        S[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * k)))));
+    *mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5); /* 32 sc */
+    const __m256i lo = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
+    for (int a = 0; a < 2; a++) { /* as decode_q6k_avx2 */
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * a));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * a + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * a));
+        const __m256i n[4] = {_mm256_and_si256(l0, lo), _mm256_and_si256(l1, lo),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo), _mm256_and_si256(_mm256_srli_epi16(l1, 4), lo)};
+        for (int s2 = 0; s2 < 4; s2++)
+            U[4 * a + s2] = _mm256_or_si256(n[s2], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * s2), m3), 4));
+    }
+    *d = *dm = rdh(b + 208);
+}
+
+static inline __attribute__((always_inline)) void dot_k_raw(
+    const int R, const int q6, const uint8_t *wrow, const int64_t nsb, const int8_t *xq, const int64_t K,
+    const float *xd, const int16_t *xb, float *out) {
+    __m256 lo[MAXR], hi[MAXR], accm[MAXR];
+    for (int m = 0; m < R; m++) { lo[m] = hi[m] = accm[m] = _mm256_setzero_ps(); }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        __m256i U[8], S[8], mn;
+        float d, dm;
+        if (q6) regs_q6k_avx2(wrow + sb * 210, U, S, &mn, &d, &dm);
+        else regs_q4k_avx2(wrow + sb * 144, U, S, &mn, &d, &dm);
+        DOT_K_SB_AVX2(R, U, S, mn, d, dm);
+    }
+    for (int m = 0; m < R; m++) out[m] = hsum16_avx(lo[m], hi[m]) - hsum8_avx(accm[m]);
+}
+#endif
+
 #if GQ_512
 /* dot_32's float work for blocks b, b + 1 (lanes 0-7 and 8-15) whose u are in U, for R rows. */
 static inline __attribute__((always_inline)) void dot_32_pair(
@@ -643,6 +705,51 @@ static inline __attribute__((always_inline)) void dot_32_raw(
 }
 #endif
 
+#if GQ_AVX2 && !GQ_512
+/* dot_32's work on block b for R rows, its u in U (loaded from a decoded row by dot_32, decoded from the
+ * file's bytes by dot_32_raw: one piece of code, same bits); lanes 0-7 of even blocks, 8-15 of odd ones. */
+static inline __attribute__((always_inline)) void dot_32_block(
+    const int R, const __m256i U, const float d, const float o, const int wide, const int8_t *xq, const int64_t K,
+    const int64_t b, const int64_t nb, const float *xd, const float *xs, __m256 acc[2][MAXR], float *t) {
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    const __m256i Ws = _mm256_xor_si256(U, bias); /* wide: the signed q */
+    for (int m = 0; m < R; m++) {
+        const __m256i X = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
+        __m256i P;
+#if GQ_VNNI
+        P = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), U, X);
+        (void)Ws; (void)ones; (void)wide;
+#else
+        if (wide) { /* u x = q x + 128 x, each part without int16 saturation */
+            const __m256i qx = _mm256_maddubs_epi16(_mm256_sign_epi8(Ws, Ws), _mm256_sign_epi8(X, Ws));
+            const __m256i bx = _mm256_maddubs_epi16(bias, X);
+            P = _mm256_add_epi32(_mm256_madd_epi16(qx, ones), _mm256_madd_epi16(bx, ones));
+        } else {
+            P = _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones);
+        }
+#endif
+        acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_set1_ps(d * xd[m * nb + b]), acc[b & 1][m]);
+        t[m] = fmaf(o, xs[m * nb + b], t[m]);
+    }
+}
+
+/* dot_32 for a row of raw 32-blocks of type t (AVX2 / AVX-VNNI builds) */
+static inline __attribute__((always_inline)) void dot_32_raw(
+    const int R, const int t, const uint8_t *wrow, const int64_t nb, const int8_t *xq, const int64_t K,
+    const float *xd, const float *xs, float *out) {
+    const int bb = block_bytes(t);
+    float tt[MAXR];
+    __m256 acc[2][MAXR];
+    for (int m = 0; m < R; m++) { tt[m] = 0.0f; acc[0][m] = acc[1][m] = _mm256_setzero_ps(); }
+    for (int64_t b = 0; b < nb; b++) {
+        float d, o;
+        const __m256i U = u32_avx2(t, wrow + b * bb, &d, &o);
+        dot_32_block(R, U, d, o, t == Q8_0, xq, K, b, nb, xd, xs, acc, tt);
+    }
+    for (int m = 0; m < R; m++) out[m] = hsum16_avx(acc[0][m], acc[1][m]) + tt[m];
+}
+#endif
+
 /* 32-blocks (wide: u up to 255, Q8_0) */
 static inline __attribute__((always_inline)) void dot_32(
     const int R, const drow *w, const int64_t nb, const int wide, const int8_t *xq, const int64_t K,
@@ -665,30 +772,9 @@ static inline __attribute__((always_inline)) void dot_32(
 #elif GQ_AVX2
     __m256 acc[2][MAXR];
     for (int m = 0; m < R; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i U = _mm256_loadu_si256((const __m256i *)(w->u + 32 * b));
-        const __m256i Ws = _mm256_xor_si256(U, bias); /* wide: the signed q */
-        const float d = w->d[b], o = w->dm[b];
-        for (int m = 0; m < R; m++) {
-            const __m256i X = _mm256_loadu_si256((const __m256i *)(xq + m * K + 32 * b));
-            __m256i P;
-#if GQ_VNNI
-            P = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), U, X);
-            (void)Ws; (void)ones; (void)wide;
-#else
-            if (wide) { /* u x = q x + 128 x, each part without int16 saturation */
-                const __m256i qx = _mm256_maddubs_epi16(_mm256_sign_epi8(Ws, Ws), _mm256_sign_epi8(X, Ws));
-                const __m256i bx = _mm256_maddubs_epi16(bias, X);
-                P = _mm256_add_epi32(_mm256_madd_epi16(qx, ones), _mm256_madd_epi16(bx, ones));
-            } else {
-                P = _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones);
-            }
-#endif
-            acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_set1_ps(d * xd[m * nb + b]), acc[b & 1][m]);
-            t[m] = fmaf(o, xs[m * nb + b], t[m]);
-        }
-    }
+    for (int64_t b = 0; b < nb; b++)
+        dot_32_block(R, _mm256_loadu_si256((const __m256i *)(w->u + 32 * b)), w->d[b], w->dm[b], wide, xq, K, b, nb,
+                     xd, xs, acc, t);
     for (int m = 0; m < R; m++) out[m] = hsum16_avx(acc[0][m], acc[1][m]) + t[m];
 #else
     (void)wide;
@@ -844,7 +930,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
             const int64_t col = off + (P->perm ? P->perm[rr] : rr);
             const float bv = bias ? bias[col] : 0.0f;
             const float *wf = r.f;
-            const int raw = GQ_512 && (t == Q4_K || t == Q6_K || fam == FAM_32);
+            const int raw = GQ_AVX2 && (t == Q4_K || t == Q6_K || fam == FAM_32); /* GQ_512 implies GQ_AVX2 */
             if (t == F32) wf = (const float *)wrow;
             else if (!raw) decode_row(t, wrow, K, &r);
             for (int64_t m0 = 0; m0 < M; m0 += MAXR) {
@@ -852,6 +938,16 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
                 float o[MAXR];
                 if (raw) {
 #if GQ_512
+#define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
+#define BR(R) dot_32_raw(R, t, wrow, nb, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
+                    if (fam == FAM_32) {
+                        ROW_SWITCH(mc, BR);
+                    } else {
+                        ROW_SWITCH(mc, KR);
+                    }
+#undef KR
+#undef BR
+#elif GQ_AVX2
 #define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
 #define BR(R) dot_32_raw(R, t, wrow, nb, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
                     if (fam == FAM_32) {
