@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import SpeculantError
-from .governor import Governor
+from .governor import Governor, GovernorMemory
 from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
 from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter
 from .methods.draft_model import DraftModelDrafter, reduced_head
@@ -97,6 +97,8 @@ class Engine:
             head = self._draft_head or draft.model.lm_head
             self._draft_cost = ((draft.model.weight_bytes_per_token() - draft.model.lm_head.weight_bytes()
                                  + head.weight_bytes()) / target.model.weight_bytes_per_token())
+        # what the governor learned in this engine's generations (one generation at a time per engine)
+        self._governor_memory = GovernorMemory()
         self._head = None  # the draft head of a head method, loaded once per engine
         if self.method.name in HEAD_METHODS:
             self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
@@ -208,7 +210,8 @@ class Engine:
         drafter = self._drafter(sampler, max_len, kept.draft)
         policy = DraftLength(self.method.draft_length)
         # speculative or plain rounds, whichever is measured faster (governor.py)
-        governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling))
+        governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling),
+                            self._governor_memory)
         nodes = getattr(drafter, "nodes", None)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:

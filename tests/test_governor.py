@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.governor import Governor, GovernorConfig
+from speculant.governor import Governor, GovernorConfig, GovernorMemory
 from speculant.heads.runtime import HeadsConfig
 from speculant.method import MethodConfig, parse_method
 from speculant.methods.base import DraftLengthConfig
@@ -48,6 +48,12 @@ def test_the_faster_arm_wins_and_probes_thin_out():
     drive(gov, {True: 0.05, False: 0.02}, 100)
     late = drive(gov, {True: 0.005, False: 0.02}, 100)
     assert late[-30:].count(True) >= 27
+    # an engine's next generation starts from what the last one found, and keeps probing
+    memory = GovernorMemory()
+    drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 40)
+    assert memory.best is False and memory.rate[False] > memory.rate[True]
+    nxt = drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 12)
+    assert nxt[:6] == [False] * 6 and nxt[6:9] == [True] * 3
     # inactive: always speculate
     assert all(drive(Governor(cfg, False), {True: 1.0, False: 0.001}, 50))
 
