@@ -67,7 +67,7 @@ def test_config_and_modes():
     with pytest.raises(SpeculantError, match="governor mode"):
         GovernorConfig("sometimes")
     with pytest.raises(SpeculantError, match="probe"):
-        GovernorConfig(probe=1)
+        GovernorConfig(probe=0)
     assert parse_method("hybrid:governor=off,k=3").governor.mode == "off"
     assert parse_method("eagle3:governor=on,nodes=6").governor.mode == "on"
 
