@@ -32,8 +32,8 @@ GOVERNOR_MODES = ("auto", "on", "off")
 class GovernorConfig:
     mode: str = "auto"
     # Rounds of the other arm in a probe, all timed: a draft model catching up on the tokens it skipped
-    # is paid at every switch, and counting it keeps switches rare. Excluding that first round left
-    # draft at 0.88x `ar` with 78% of rounds plain (Spec-Bench subset, stop 22's note).
+    # is paid at every switch, so it counts against switching (leaving it out measured the same within
+    # noise: draft 0.88x vs 0.87x `ar` on a Spec-Bench subset, in different runs; stop 22's note).
     probe: int = 6
     hold: int = 12  # rounds with the faster arm before probing the other again; doubles while it stays faster
     max_hold: int = 192
