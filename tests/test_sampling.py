@@ -168,7 +168,9 @@ def test_the_float32_sort_agrees_up_to_its_rounding():
         ahead = torch.zeros_like(ps).scatter(-1, idx, ps.cumsum(-1) - ps)  # float64 mass ahead of each token
         differ = (new > 0) != (old > 0)
         assert ((ahead[differ] - top_p).abs() < 1e-4).all()
-        assert (new + old)[differ].sum() < 1e-4  # a sliver of mass
+        # a sliver of mass: the old float32 sum's order differs by build (on an AVX2-only CPU one
+        # boundary token of 1.3e-4 flips at T=0.7, top-p 0.9; 9e-5 and 1.5e-4 in the other two cases)
+        assert (new + old)[differ].sum() < 5e-4
         both = (new > 0) & (old > 0)
         assert torch.allclose(new[both], old[both], rtol=1e-3, atol=1e-7)
 
