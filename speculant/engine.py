@@ -241,8 +241,9 @@ class Engine:
             if room < 0:
                 out.finish("length")
                 break
-            speculate = drafter is not None and governor.speculate
-            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculate else 0
+            paused = drafter is not None and not governor.speculate  # the governor's plain round
+            speculating = drafter is not None and not paused
+            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculating else 0
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()
@@ -252,7 +253,7 @@ class Engine:
                 sampler.push(new)
                 drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
                 policy.update(n, kd)
-                self._finish_round(stats, governor, speculate, ta, tb, kd, n)
+                self._finish_round(stats, governor, paused, ta, tb, kd, n)
                 yield from out.push(new, drafted=n, proposed=kd)
                 pending = new[-1]
                 continue
@@ -276,7 +277,7 @@ class Engine:
                 hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
                 drafter.commit([pending] + new[:n], kd, **hidden)
                 policy.update(n, kd)
-            self._finish_round(stats, governor, speculate or drafter is None, ta, tb, kd, n)
+            self._finish_round(stats, governor, paused, ta, tb, kd, n)
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
@@ -285,11 +286,11 @@ class Engine:
         yield Done(out.text, out.token_ids, out.reason, stats)
 
     @staticmethod
-    def _finish_round(stats: Stats, governor: Governor, speculated: bool, ta: float, tb: float, kd: int,
+    def _finish_round(stats: Stats, governor: Governor, paused: bool, ta: float, tb: float, kd: int,
                       n: int) -> None:
         now = time.perf_counter()
         governor.record(n + 1, now - ta)
-        if not speculated:  # the governor's plain round
+        if paused:
             stats.record_paused(now - ta)
             return
         stats.draft_seconds += tb - ta
