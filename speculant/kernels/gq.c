@@ -269,30 +269,6 @@ static inline void decode_q4k_avx2(const uint8_t *b, drow *r, int64_t sb, int q5
     r->d[sb] = rdh(b);
     r->dm[sb] = rdh(b + 2);
 }
-
-static inline void decode_q6k_avx2(const uint8_t *b, drow *r, int64_t sb) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *s = (const int8_t *)(b + 192);
-    uint8_t *u = r->u + sb * 256;
-    const __m256i lo = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
-    for (int a = 0; a < 2; a++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * a));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * a + 32));
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * a));
-        const __m256i n[4] = {_mm256_and_si256(l0, lo), _mm256_and_si256(l1, lo),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), lo), _mm256_and_si256(_mm256_srli_epi16(l1, 4), lo)};
-        for (int s2 = 0; s2 < 4; s2++) {
-            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * s2), m3);
-            _mm256_storeu_si256((__m256i *)(u + 128 * a + 32 * s2), _mm256_or_si256(n[s2], _mm256_slli_epi16(hb, 4)));
-        }
-    }
-    int16_t *se = r->sce + sb * 128;
-    for (int g = 0; g < 16; g++) {
-        _mm_storeu_si128((__m128i *)(se + 8 * g), _mm_set1_epi16(s[g]));
-        r->mn[sb * 16 + g] = (int16_t)(32 * s[g]);
-    }
-    r->d[sb] = r->dm[sb] = rdh(b + 208);
-}
 #endif
 
 #if GQ_AVX2
@@ -324,9 +300,6 @@ static inline __m256i u32_avx2(int t, const uint8_t *b, float *d_out, float *o_o
     *o_out = o;
     return v;
 }
-static inline void decode_32_avx2(int t, const uint8_t *b, drow *r, int64_t i) {
-    _mm256_storeu_si256((__m256i *)(r->u + i * 32), u32_avx2(t, b, r->d + i, r->dm + i));
-}
 #endif
 
 static void decode_row(int t, const uint8_t *w, int64_t K, drow *r) {
@@ -337,16 +310,11 @@ static void decode_row(int t, const uint8_t *w, int64_t K, drow *r) {
             const uint8_t *b = w + sb * bb;
 #if GQ_AVX2
             if (t == Q4_K || t == Q5_K) { decode_q4k_avx2(b, r, sb, t == Q5_K); continue; }
-            if (t == Q6_K) { decode_q6k_avx2(b, r, sb); continue; }
 #endif
             decode_k(t, b, r, sb);
         }
     } else if (family(t) == FAM_32) {
-#if GQ_AVX2
-        for (int64_t i = 0; i < K / 32; i++) decode_32_avx2(t, w + i * bb, r, i);
-#else
-        for (int64_t i = 0; i < K / 32; i++) decode_32(t, w + i * bb, r, i);
-#endif
+        for (int64_t i = 0; i < K / 32; i++) decode_32(t, w + i * bb, r, i); /* portable builds: SIMD ones read raw */
     } else if (t == F16) {
         for (int64_t e = 0; e < K; e++) r->f[e] = f16_to_f32(rd16(w + 2 * e));
     } else if (t == BF16) {
@@ -625,7 +593,7 @@ static inline void regs_q6k_avx2(const uint8_t *b, __m256i U[8], __m256i S[8], _
         S[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * k)))));
     *mn = _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5); /* 32 sc */
     const __m256i lo = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3);
-    for (int a = 0; a < 2; a++) { /* as decode_q6k_avx2 */
+    for (int a = 0; a < 2; a++) { /* as decode_k does for Q6_K */
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * a));
         const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * a + 32));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * a));
@@ -706,8 +674,8 @@ static inline __attribute__((always_inline)) void dot_32_raw(
 #endif
 
 #if GQ_AVX2 && !GQ_512
-/* dot_32's work on block b for R rows, its u in U (loaded from a decoded row by dot_32, decoded from the
- * file's bytes by dot_32_raw: one piece of code, same bits); lanes 0-7 of even blocks, 8-15 of odd ones. */
+/* dot_32's work on block b for R rows (AVX2 / AVX-VNNI), its u in U decoded from the file's bytes;
+ * lanes 0-7 of even blocks, 8-15 of odd ones. */
 static inline __attribute__((always_inline)) void dot_32_block(
     const int R, const __m256i U, const float d, const float o, const int wide, const int8_t *xq, const int64_t K,
     const int64_t b, const int64_t nb, const float *xd, const float *xs, __m256 acc[2][MAXR], float *t) {
@@ -750,33 +718,13 @@ static inline __attribute__((always_inline)) void dot_32_raw(
 }
 #endif
 
-/* 32-blocks (wide: u up to 255, Q8_0) */
+/* 32-blocks (wide: u up to 255, Q8_0) from a decoded row: portable builds (SIMD builds read raw bytes:
+ * dot_32_raw, the same lanes and operations) */
 static inline __attribute__((always_inline)) void dot_32(
     const int R, const drow *w, const int64_t nb, const int wide, const int8_t *xq, const int64_t K,
     const float *xd, const float *xs, float *out) {
     float t[MAXR];
     for (int m = 0; m < R; m++) t[m] = 0.0f;
-#if GQ_512
-    __m512 acc[MAXR];
-    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2)
-        dot_32_pair(R, _mm512_loadu_si512((const void *)(w->u + 32 * b)), w->d[b], w->d[b + 1], w->dm[b],
-                    w->dm[b + 1], xq, K, b, nb, xd, xs, acc, t);
-    if (b < nb)
-        dot_32_last(R, _mm256_loadu_si256((const __m256i *)(w->u + 32 * b)), w->d[b], w->dm[b], xq, K, b, nb, xd, xs,
-                    acc, t);
-    (void)wide;
-    for (int m = 0; m < R; m++)
-        out[m] = hsum16_512(acc[m]) + t[m];
-#elif GQ_AVX2
-    __m256 acc[2][MAXR];
-    for (int m = 0; m < R; m++) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        dot_32_block(R, _mm256_loadu_si256((const __m256i *)(w->u + 32 * b)), w->d[b], w->dm[b], wide, xq, K, b, nb,
-                     xd, xs, acc, t);
-    for (int m = 0; m < R; m++) out[m] = hsum16_avx(acc[0][m], acc[1][m]) + t[m];
-#else
     (void)wide;
     for (int m = 0; m < R; m++) {
         float acc[16] = {0};
@@ -793,7 +741,6 @@ static inline __attribute__((always_inline)) void dot_32(
         }
         out[m] = hsum16_lanes(acc) + t[m];
     }
-#endif
 }
 
 /* float rows: wf[K] against float activations */
