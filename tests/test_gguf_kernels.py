@@ -91,6 +91,35 @@ def test_dequantized_rows_are_the_gguf_packages_bit_for_bit(t):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def dequant_range(lib, t: int, data: np.ndarray, k: int, bf16: bool) -> torch.Tensor:
+    out = torch.empty(data.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32)
+    assert lib.gq_dequant_range(t, data.ctypes.data, data.shape[1], k, 0, data.shape[0], out.data_ptr(), int(bf16), 2) == 0
+    return out
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_prefill_bf16_weights_are_the_rounded_dequantized_ones(t):
+    """Long passes multiply weights the kernels write straight in bf16: on every build, bit for bit the
+    gguf package's dequantization rounded by torch (nearest even)."""
+    K = 512
+    data = random_blocks(t, 7, K, seed=200 + int(t))
+    f32 = torch.from_numpy(dequant(t, data, K))
+    for name, lib in builds():
+        assert torch.equal(dequant_range(lib, int(t), data, K, False).view(torch.int32), f32.view(torch.int32)), name
+        assert torch.equal(dequant_range(lib, int(t), data, K, True).view(torch.int16),
+                           f32.to(torch.bfloat16).view(torch.int16)), name
+
+
+def test_bf16_rounding_is_torchs_on_ties_and_special_values():
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130, 3.4e38, float("inf"), -0.0, 1e-45, 65504.0]
+    vals = np.resize(np.array(ties, dtype=np.float32), 32)
+    vals[-1] = np.float32(1.0) + np.float32(2 ** -8) + np.float32(2 ** -20)  # just above a tie: rounds up
+    data = np.ascontiguousarray(vals[None]).view(np.uint8)
+    want = torch.from_numpy(vals[None].copy()).to(torch.bfloat16)
+    for name, lib in builds():
+        assert torch.equal(dequant_range(lib, int(T.F32), data, 32, True).view(torch.int16), want.view(torch.int16)), name
+
+
 def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
     """What keeps speculative greedy output identical to plain decoding: row m's output does not depend
     on how many rows share the call, the thread count, or the instruction set it was built for."""

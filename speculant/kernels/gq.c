@@ -161,11 +161,12 @@ static void decode_k(int t, const uint8_t *b, drow *r, int64_t sb) {
     case Q6_K: {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *s = (const int8_t *)(b + 192);
-        for (int a = 0; a < 2; a++)
-            for (int x = 0; x < 128; x++) {
-                const int h = x / 64, l = x % 64, s2 = x / 32, l2 = x % 32;
-                u[128 * a + x] = ((ql[64 * a + l] >> (4 * h)) & 0xf) | (((qh[32 * a + l2] >> (2 * s2)) & 3) << 4);
-            }
+        for (int a = 0; a < 2; a++) /* value x = 64 h + 32 j + l of 128 (loops split so that gcc vectorizes l) */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 2; j++)
+                    for (int l = 0; l < 32; l++)
+                        u[128 * a + 64 * h + 32 * j + l] = ((ql[64 * a + 32 * j + l] >> (4 * h)) & 0xf) |
+                                                           (((qh[32 * a + l] >> (2 * (2 * h + j))) & 3) << 4);
         for (int g = 0; g < 16; g++) { sc[g] = s[g]; mn[g] = (int16_t)(32 * s[g]); }
         r->d[sb] = r->dm[sb] = rdh(b + 208);
         break;
@@ -930,6 +931,42 @@ done:
 
 /* ---------------------------------------------------------------- dequantisation (embeddings, prefill) */
 
+/* Q4_K and Q6_K superblocks straight from their bytes into floats: the values and operations of the
+ * decode_k path below (same bits), in loops that gcc vectorizes; the prefill dequantizes every weight
+ * once per chunk, and through decode_k a Q4_K weight cost ~2.5 cycles. Returns 0 for other types. */
+static int dequant_sb_direct(int t, const uint8_t *b, float *o) {
+    if (t == Q4_K) {
+        uint8_t s8[8], m8[8];
+        q4k_scales(b + 4, s8, m8);
+        const float d = rdh(b), dmin = rdh(b + 2);
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *q = b + 16 + 32 * j;
+            const float dl0 = d * (float)s8[2 * j], ml0 = dmin * (float)m8[2 * j];
+            const float dl1 = d * (float)s8[2 * j + 1], ml1 = dmin * (float)m8[2 * j + 1];
+            for (int l = 0; l < 32; l++) o[64 * j + l] = dl0 * (float)(q[l] & 0xf) - ml0;
+            for (int l = 0; l < 32; l++) o[64 * j + 32 + l] = dl1 * (float)(q[l] >> 4) - ml1;
+        }
+        return 1;
+    }
+    if (t == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = rdh(b + 208);
+        for (int a = 0; a < 2; a++) /* value 128 a + 64 h + 32 j + l, in group 8 a + 4 h + 2 j + l / 16 */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 2; j++)
+                    for (int g = 0; g < 2; g++) {
+                        const float dl = d * (float)sc[8 * a + 4 * h + 2 * j + g];
+                        float *og = o + 128 * a + 64 * h + 32 * j + 16 * g;
+                        const uint8_t *qlg = ql + 64 * a + 32 * j + 16 * g, *qhg = qh + 32 * a + 16 * g;
+                        for (int l = 0; l < 16; l++)
+                            og[l] = dl * (float)((((qlg[l] >> (4 * h)) & 0xf) | (((qhg[l] >> (2 * (2 * h + j))) & 3) << 4)) - 32);
+                    }
+        return 1;
+    }
+    return 0;
+}
+
 /* The float weights of one row as gguf's dequantisers compute them (same operations, same bits). */
 static void dequant_row(int t, const uint8_t *w, int64_t K, float *out) {
     const int bb = block_bytes(t);
@@ -949,29 +986,29 @@ static void dequant_row(int t, const uint8_t *w, int64_t K, float *out) {
         for (int64_t i = 0; i < K / 32; i++) {
             const uint8_t *b = w + i * bb;
             decode_32(t, b, &r, 0);
-            const float db = d[0];
+            const float db = d[0], m = dm[0];
             float *o = out + 32 * i;
-            for (int l = 0; l < 32; l++) {
-                switch (t) {
-                case Q4_0: o[l] = db * (float)(u[l] - 8); break;
-                case Q5_0: o[l] = db * (float)(u[l] - 16); break;
-                case Q8_0: o[l] = (float)(u[l] - 128) * db; break;
-                default: o[l] = db * (float)u[l] + dm[0]; break; /* Q4_1, Q5_1: d q + m */
-                }
+            /* the type's branch outside the value loop, so that gcc vectorizes it */
+            switch (t) {
+            case Q4_0: for (int l = 0; l < 32; l++) o[l] = db * (float)(u[l] - 8); break;
+            case Q5_0: for (int l = 0; l < 32; l++) o[l] = db * (float)(u[l] - 16); break;
+            case Q8_0: for (int l = 0; l < 32; l++) o[l] = (float)(u[l] - 128) * db; break;
+            default: for (int l = 0; l < 32; l++) o[l] = db * (float)u[l] + m; break; /* Q4_1, Q5_1: d q + m */
             }
         }
         return;
     }
     for (int64_t sb = 0; sb < K / 256; sb++) {
+        if (dequant_sb_direct(t, w + sb * bb, out + 256 * sb)) continue;
         decode_k(t, w + sb * bb, &r, 0);
-        float *o = out + 256 * sb;
-        for (int e = 0; e < 256; e++) {
-            const int g = e / 16;
-            const float dl = d[0] * (float)sce[8 * g];
+        for (int g = 0; g < 16; g++) {
+            const float dl = d[0] * (float)sce[8 * g], ml = dm[0] * (float)mn[g];
+            const uint8_t *ug = u + 16 * g;
+            float *o = out + 256 * sb + 16 * g;
             switch (t) {
-            case Q6_K: o[e] = dl * (float)(u[e] - 32); break;
-            case Q3_K: o[e] = dl * (float)(u[e] - 4); break;
-            default: o[e] = dl * (float)u[e] - dm[0] * (float)mn[g]; break; /* Q2_K, Q4_K, Q5_K */
+            case Q6_K: for (int l = 0; l < 16; l++) o[l] = dl * (float)(ug[l] - 32); break;
+            case Q3_K: for (int l = 0; l < 16; l++) o[l] = dl * (float)(ug[l] - 4); break;
+            default: for (int l = 0; l < 16; l++) o[l] = dl * (float)ug[l] - ml; break; /* Q2_K, Q4_K, Q5_K */
             }
         }
     }
@@ -985,14 +1022,42 @@ int gq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, co
     return 0;
 }
 
-/* out[r1 - r0, K] = rows r0 .. r1 - 1 of W (long passes multiply these in bf16 or float32). */
-int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t r0, int64_t r1, float *out,
-                     int nthreads) {
+/* bf16 of a float, rounded to nearest even, NaN to 0x7fc0: torch's Tensor.to(torch.bfloat16). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* out[r1 - r0, K] = rows r0 .. r1 - 1 of W, in float32 (bf16 = 0) or as their bf16 roundings (bf16 = 1: the
+ * weights long passes multiply, written straight into the chunk torch multiplies, with no float32 copy).
+ * Returns 0, -1 out of memory, -2 an unsupported type. */
+int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t r0, int64_t r1, void *out,
+                     int bf16, int nthreads) {
     if (family(type) < 0) return -2;
     if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = r0; r < r1; r++) dequant_row(type, w + r * row_bytes, K, out + (r - r0) * K);
-    return 0;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *tmp = bf16 ? malloc(sizeof(float) * K) : NULL;
+        if (bf16 && !tmp) {
+#pragma omp atomic write
+            rc = -1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = r0; r < r1; r++) {
+            if (!bf16) {
+                dequant_row(type, w + r * row_bytes, K, (float *)out + (r - r0) * K);
+            } else if (tmp) {
+                dequant_row(type, w + r * row_bytes, K, tmp);
+                uint16_t *o = (uint16_t *)out + (r - r0) * K;
+                for (int64_t e = 0; e < K; e++) o[e] = to_bf16(tmp[e]);
+            }
+        }
+        free(tmp);
+    }
+    return rc;
 }
 
 /* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */

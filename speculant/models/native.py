@@ -139,7 +139,7 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
     lib.gq_matmul.restype = i32
     lib.gq_dequant_rows.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.gq_dequant_rows.restype = i32
-    lib.gq_dequant_range.argtypes = [i32, p, i64, i64, i64, i64, p, i32]
+    lib.gq_dequant_range.argtypes = [i32, p, i64, i64, i64, i64, p, i32, i32]
     lib.gq_dequant_range.restype = i32
     for name in ("gq_supported", "gq_block_bytes", "gq_block_values"):
         getattr(lib, name).argtypes = [i32]
