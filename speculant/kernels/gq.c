@@ -111,7 +111,8 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
  * further on (the rows of a thread's share are contiguous). The hardware prefetcher alone left a decode
  * step short of the bandwidth: 2 threads of an AMD EPYC (AVX-512), a 173 MB Q4_K tensor at M = 1,
  * 6.1-7.2 ns per superblock without, 5.0-5.9 with 2048 ahead (1024: 5.4-5.6, 4096: 4.8-5.3); a 191 MB
- * Q6_K lm_head 7.6-8.4 ns, 6.2-7.0 (/work/notes/kb-style harness timing gq_matmul). No effect on results. */
+ * Q6_K lm_head 7.6-8.4 ns, 6.2-7.0 (a C harness that includes this file and times gq_matmul on random
+ * blocks; not in the repo). No effect on results. */
 #define PREFETCH_AHEAD 2048
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *b, int bytes) {
 #if defined(__GNUC__)
@@ -953,40 +954,24 @@ done:
 
 /* ---------------------------------------------------------------- dequantisation (embeddings, prefill) */
 
-/* Q4_K and Q6_K superblocks straight from their bytes into floats: the values and operations of the
- * decode_k path below (same bits), in loops that gcc vectorizes; the prefill dequantizes every weight
- * once per chunk, and through decode_k a Q4_K weight cost ~2.5 cycles. Returns 0 for other types. */
+/* A Q4_K superblock straight from its bytes into floats: the values and operations of the decode_k path
+ * below (same bits), in loops that gcc vectorizes, without decode_k's pair-scale expansion. The prefill
+ * dequantizes every weight once per chunk; layer 0 gate_up of the 1.5B (27.5M Q4_K weights, 2 threads,
+ * AMD EPYC): 10.3 ms through decode_k, 3.4 ms here. (Q6_K measured no faster this way, 3.3-3.6 vs 3.5-4.0 ms on a
+ * down projection, so it keeps the decode_k path.) Returns 0 for other types. */
 static int dequant_sb_direct(int t, const uint8_t *b, float *o) {
-    if (t == Q4_K) {
-        uint8_t s8[8], m8[8];
-        q4k_scales(b + 4, s8, m8);
-        const float d = rdh(b), dmin = rdh(b + 2);
-        for (int j = 0; j < 4; j++) {
-            const uint8_t *q = b + 16 + 32 * j;
-            const float dl0 = d * (float)s8[2 * j], ml0 = dmin * (float)m8[2 * j];
-            const float dl1 = d * (float)s8[2 * j + 1], ml1 = dmin * (float)m8[2 * j + 1];
-            for (int l = 0; l < 32; l++) o[64 * j + l] = dl0 * (float)(q[l] & 0xf) - ml0;
-            for (int l = 0; l < 32; l++) o[64 * j + 32 + l] = dl1 * (float)(q[l] >> 4) - ml1;
-        }
-        return 1;
+    if (t != Q4_K) return 0;
+    uint8_t s8[8], m8[8];
+    q4k_scales(b + 4, s8, m8);
+    const float d = rdh(b), dmin = rdh(b + 2);
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *q = b + 16 + 32 * j;
+        const float dl0 = d * (float)s8[2 * j], ml0 = dmin * (float)m8[2 * j];
+        const float dl1 = d * (float)s8[2 * j + 1], ml1 = dmin * (float)m8[2 * j + 1];
+        for (int l = 0; l < 32; l++) o[64 * j + l] = dl0 * (float)(q[l] & 0xf) - ml0;
+        for (int l = 0; l < 32; l++) o[64 * j + 32 + l] = dl1 * (float)(q[l] >> 4) - ml1;
     }
-    if (t == Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = rdh(b + 208);
-        for (int a = 0; a < 2; a++) /* value 128 a + 64 h + 32 j + l, in group 8 a + 4 h + 2 j + l / 16 */
-            for (int h = 0; h < 2; h++)
-                for (int j = 0; j < 2; j++)
-                    for (int g = 0; g < 2; g++) {
-                        const float dl = d * (float)sc[8 * a + 4 * h + 2 * j + g];
-                        float *og = o + 128 * a + 64 * h + 32 * j + 16 * g;
-                        const uint8_t *qlg = ql + 64 * a + 32 * j + 16 * g, *qhg = qh + 32 * a + 16 * g;
-                        for (int l = 0; l < 16; l++)
-                            og[l] = dl * (float)((((qlg[l] >> (4 * h)) & 0xf) | (((qhg[l] >> (2 * (2 * h + j))) & 3) << 4)) - 32);
-                    }
-        return 1;
-    }
-    return 0;
+    return 1;
 }
 
 /* The float weights of one row as gguf's dequantisers compute them (same operations, same bits). */

@@ -37,8 +37,8 @@ GGML_TYPES: dict[str, GGMLQuantizationType] = {
 # what llama.cpp's quantizer uses for a tensor whose rows are not whole 256-value K-quant blocks
 K_FALLBACK = {GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0}
 # prefill: dequantize at most this many bytes of bf16 weights at a time (1.5B, 256-token prompt, 2 cores of an
-# AMD EPYC, Transformer.forward timed: 4 MB 124-125 tok/s, 32 MB 126, 1 MB 112, 16 MB
-# 101-126 on a noisy host; 4 MB keeps the chunk in cache and the buffer small)
+# AMD EPYC, a script timing Transformer.forward: 4 MB 124-125 tok/s, 32 MB 126, 1 MB 112, 16 MB 101, on a
+# noisy host; 4 MB keeps the chunk in cache and the buffer small)
 _CHUNK_BYTES = 4 << 20
 
 
