@@ -142,6 +142,26 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
         assert torch.equal(y, results[0][1]), (name, results[0][0])
 
 
+def test_an_odd_count_of_32_blocks_is_exact_and_bit_identical_everywhere():
+    """Rows of 9 blocks: the SIMD builds take the blocks in pairs and the last one alone."""
+    K = 9 * 32
+    types = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+    parts = [Part(int(t), random_blocks(t, 5, K, seed=40 + i)) for i, t in enumerate(types)]
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(4))
+    results = []
+    for name, lib in builds():
+        full = matmul(lib, parts, x, K)
+        for m in (1, 2, 5, 9):
+            assert torch.equal(matmul(lib, parts, x[:m].contiguous(), K), full[:m]), (name, m)
+        results.append((name, full))
+    for name, y in results[1:]:
+        assert torch.equal(y, results[0][1]), (name, results[0][0])
+    for i, (t, p) in enumerate(zip(types, parts)):
+        ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, p.data, K)).double().T
+        got = results[0][1][:, 5 * i:5 * i + 5].double()
+        assert (got - ref).abs().max() / ref.abs().max() < 2e-6, t.name
+
+
 def test_permuted_parts_land_in_their_columns():
     K = 256
     a, b = random_blocks(T.Q4_K, 8, K, seed=1), random_blocks(T.Q8_0, 4, K, seed=2)
