@@ -216,6 +216,14 @@ static void decode_k(int t, const uint8_t *b, drow *r, int64_t sb) {
     set_groups(r, sb, sc, mn);
 }
 
+/* Where the nibbles of a Q4_0/Q4_1/Q5_0/Q5_1 block start (Q5's 4 bytes of fifth bits sit just before). */
+static inline int nibbles_at(int t) { return t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8; }
+
+/* The coefficient o of a 4/5-bit block's sum of x (decode_32's dm): -8 d, -16 d, or the stored m. */
+static inline float offset_of(int t, const uint8_t *b, float d) {
+    return t == Q4_0 ? -8.0f * d : t == Q5_0 ? -16.0f * d : rdh(b + 2);
+}
+
 /* One 32-block at b into r's slot i. */
 static void decode_32(int t, const uint8_t *b, drow *r, int64_t i) {
     uint8_t *u = r->u + i * 32;
@@ -223,21 +231,20 @@ static void decode_32(int t, const uint8_t *b, drow *r, int64_t i) {
     float o = 0.0f;
     switch (t) {
     case Q4_0: case Q4_1: {
-        const uint8_t *qs = b + (t == Q4_0 ? 2 : 4);
+        const uint8_t *qs = b + nibbles_at(t);
         for (int l = 0; l < 16; l++) { u[l] = qs[l] & 0xf; u[l + 16] = qs[l] >> 4; }
-        o = t == Q4_0 ? -8.0f * d : rdh(b + 2);
+        o = offset_of(t, b, d);
         break;
     }
     case Q5_0: case Q5_1: {
-        const int off = t == Q5_0 ? 2 : 4;
+        const uint8_t *qs = b + nibbles_at(t);
         uint32_t qh;
-        memcpy(&qh, b + off, 4);
-        const uint8_t *qs = b + off + 4;
+        memcpy(&qh, qs - 4, 4);
         for (int l = 0; l < 16; l++) {
             u[l] = (qs[l] & 0xf) | (((qh >> l) & 1) << 4);
             u[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
         }
-        o = t == Q5_0 ? -16.0f * d : rdh(b + 2);
+        o = offset_of(t, b, d);
         break;
     }
     case Q8_0:
@@ -297,7 +304,7 @@ static inline __m256i u32_avx2(int t, const uint8_t *b, float *d_out, float *o_o
         v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
         o = -128.0f * d;
     } else {
-        const int off = t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
+        const int off = nibbles_at(t);
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + off)), lo = _mm_set1_epi8(0x0f);
         v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
         if (t == Q5_0 || t == Q5_1) {
@@ -310,7 +317,7 @@ static inline __m256i u32_avx2(int t, const uint8_t *b, float *d_out, float *o_o
             const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
             v = _mm256_or_si256(v, _mm256_and_si256(on, _mm256_set1_epi8(0x10)));
         }
-        o = t == Q4_0 ? -8.0f * d : t == Q5_0 ? -16.0f * d : rdh(b + 2);
+        o = offset_of(t, b, d);
     }
     *d_out = d;
     *o_out = o;
@@ -678,14 +685,18 @@ static inline __attribute__((always_inline)) void dot_32_last(
     }
 }
 
-/* u of blocks b and b + 1 (lanes 0-7 and 8-15) at p for the 4- and 5-bit types: u32_avx2's bytes, built
- * for both blocks at once. The nibbles of both come from one permute, one variable shift and one mask,
+/* u of blocks b and b + 1 (lanes 0-7 and 8-15) at p: u32_avx2's bytes. For the 4- and 5-bit types both
+ * blocks are built at once. The nibbles of both come from one permute, one variable shift and one mask,
  * and Q5's fifth bits go in as a byte mask (bit l of qh is byte l's), where u32_avx2 spreads them with
  * six AVX2 operations per block. With dot_32_pair's one multiply for both blocks' d * dx, a harness
  * (gq.c in a C timer, not in the repo; 1 thread, Q5_0 2048x896 in cache, AMD EPYC) measured per 256
  * values: M = 1 17.9-18.0 -> 16.0-16.5 ns, M = 8 62.0-62.6 -> 50.4-55.2 ns; Q8_0 M = 8 52.0-52.8 -> 48.5. */
 static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, float *d1, float *o0, float *o1) {
-    const int off = t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : 8;
+    if (t == Q8_0) { /* whole bytes: u32_avx2's two vectors side by side */
+        const __m256i u0 = u32_avx2(t, p, d0, o0), u1 = u32_avx2(t, p + bb, d1, o1);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+    }
+    const int off = nibbles_at(t);
     const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + off))),
                                               _mm_loadu_si128((const __m128i *)(p + bb + off)), 1);
     /* 128-bit lanes: block b's bytes twice, then block b + 1's; the odd lanes take the high nibbles */
@@ -702,9 +713,25 @@ static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, floa
     const float a = rdh(p), b = rdh(p + bb);
     *d0 = a;
     *d1 = b;
-    *o0 = t == Q4_0 ? -8.0f * a : t == Q5_0 ? -16.0f * a : rdh(p + 2);
-    *o1 = t == Q4_0 ? -8.0f * b : t == Q5_0 ? -16.0f * b : rdh(p + bb + 2);
+    *o0 = offset_of(t, p, a);
+    *o1 = offset_of(t, p + bb, b);
     return v;
+}
+
+/* dot_32_raw's pairs of blocks: returns the index of the first block left (nb - 1 when nb is odd). Called
+ * with t = Q8_0 as a constant, so that each type's loop is compiled without the other's branch (a branch
+ * per pair measured slower on Q8_0 at M = 8 in the harness: 55-62 vs 52 ns per 256 values). */
+static inline __attribute__((always_inline)) int64_t dot_32_pairs(
+    const int R, const int t, const uint8_t *wrow, const int bb, const int64_t nb, const int8_t *xq, const int64_t K,
+    const float *xd, const float *xs, __m512 *acc, float *tt) {
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        prefetch_block(wrow + b * bb, 2 * bb);
+        float d0, d1, o0, o1;
+        const __m512i U = u32x2_512(t, wrow + b * bb, bb, &d0, &d1, &o0, &o1);
+        dot_32_pair(R, U, d0, d1, o0, o1, xq, K, b, nb, xd, xs, acc, tt);
+    }
+    return b;
 }
 
 /* dot_32 for a row of raw 32-blocks of type t (AVX512-VNNI builds): u decoded into registers by the
@@ -716,23 +743,8 @@ static inline __attribute__((always_inline)) void dot_32_raw(
     float tt[MAXR];
     __m512 acc[MAXR];
     for (int m = 0; m < R; m++) { tt[m] = 0.0f; acc[m] = _mm512_setzero_ps(); }
-    int64_t b = 0;
-    if (t == Q8_0) {
-        for (; b + 1 < nb; b += 2) {
-            prefetch_block(wrow + b * bb, 2 * bb);
-            float d0, d1, o0, o1;
-            const __m256i u0 = u32_avx2(t, wrow + b * bb, &d0, &o0), u1 = u32_avx2(t, wrow + (b + 1) * bb, &d1, &o1);
-            dot_32_pair(R, _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1), d0, d1, o0, o1, xq, K, b, nb, xd,
-                        xs, acc, tt);
-        }
-    } else {
-        for (; b + 1 < nb; b += 2) {
-            prefetch_block(wrow + b * bb, 2 * bb);
-            float d0, d1, o0, o1;
-            const __m512i U = u32x2_512(t, wrow + b * bb, bb, &d0, &d1, &o0, &o1);
-            dot_32_pair(R, U, d0, d1, o0, o1, xq, K, b, nb, xd, xs, acc, tt);
-        }
-    }
+    const int64_t b = t == Q8_0 ? dot_32_pairs(R, Q8_0, wrow, bb, nb, xq, K, xd, xs, acc, tt)
+                                : dot_32_pairs(R, t, wrow, bb, nb, xq, K, xd, xs, acc, tt);
     if (b < nb) {
         float d, o;
         const __m256i u = u32_avx2(t, wrow + b * bb, &d, &o);
