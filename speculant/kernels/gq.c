@@ -886,6 +886,12 @@ static int check_parts(const gq_part *parts, int nparts, int64_t K) {
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), W given as parts stacked along the output dimension.
  * Returns 0; -1 out of memory; -2 an unsupported type; -3 K not a multiple of the block size;
  * -4 a part's row size does not match its type and K. */
+/* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every
+ * one across two cache lines. Harness (gq.c in a C timer, 1 thread, 2048 rows in cache, AMD EPYC), ns per 256
+ * values, malloc -> aligned: Q5_0 x 896 M=8 50.5 -> 47.1-47.4, Q8_0 M=8 48.2-48.3 -> 46.1-46.6, Q4_K x 1536 M=8
+ * 31.2-33.3 -> 31.2-31.8; M=1 unchanged. */
+static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
+
 int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
               int64_t N, int nthreads) {
     int rc = check_parts(parts, nparts, K);
@@ -903,12 +909,12 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
     float *xd32 = NULL, *xs32 = NULL, *xdk = NULL;
     int16_t *xbk = NULL;
     if (need32) {
-        xq32 = malloc(M * K + 64);
+        xq32 = alloc64(M * K + 64);
         xd32 = malloc(sizeof(float) * (M * nb + 1));
         xs32 = malloc(sizeof(float) * (M * nb + 1));
     }
     if (needk) {
-        xqk = malloc(M * K + 64);
+        xqk = alloc64(M * K + 64);
         xdk = malloc(sizeof(float) * (M * nsb + 1));
         xbk = malloc(sizeof(int16_t) * (M * (K / 16) + 16));
     }
@@ -934,7 +940,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
         /* one decoded row per thread: u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K] */
         const size_t bytes = (size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16) + 2 * sizeof(float) * (K / 32) +
                              sizeof(float) * K + 256;
-        char *mem = malloc(bytes);
+        char *mem = alloc64(bytes);
         drow r;
         if (mem) {
             r.u = (uint8_t *)mem;
