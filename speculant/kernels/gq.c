@@ -1094,13 +1094,105 @@ int gq_dequant_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, co
     return 0;
 }
 
-/* bf16 of a float, rounded to nearest even, NaN to 0x7fc0: torch's Tensor.to(torch.bfloat16). */
+/* bf16 of a float, rounded to nearest even as torch's Tensor.to(torch.bfloat16); any NaN to 0x7fc0 (torch keeps
+ * a NaN's sign and payload bits) */
 static inline uint16_t to_bf16(float f) {
     uint32_t b;
     memcpy(&b, &f, 4);
     if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
+
+#if GQ_512
+/* to_bf16 of 32 finite floats (lo, hi) into o[0..31]: rounded to nearest even, the upper halves gathered by
+ * one permute (a NaN would need to_bf16's 0x7fc0: rows whose scales are not all finite are left to it) */
+static inline __attribute__((always_inline)) void store_bf16x32(uint16_t *o, __m512 lo, __m512 hi) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    const __m512i a = _mm512_castps_si512(lo), b = _mm512_castps_si512(hi);
+    const __m512i ra = _mm512_add_epi32(_mm512_add_epi32(a, half), _mm512_and_si512(_mm512_srli_epi32(a, 16), one));
+    const __m512i rb = _mm512_add_epi32(_mm512_add_epi32(b, half), _mm512_and_si512(_mm512_srli_epi32(b, 16), one));
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    _mm512_storeu_si512((void *)o, _mm512_permutex2var_epi16(ra, odd, rb));
+}
+
+/* Whether every fp16 scale of a row's blocks is finite (then so is every value the row dequantizes to) */
+static int scales_finite(int t, const uint8_t *w, int64_t K) {
+    const int bb = block_bytes(t), nb = (int)(K / block_values(t));
+    const int at = t == Q6_K ? 208 : 0, two = t == Q4_1 || t == Q5_1 || t == Q4_K;
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *b = w + (int64_t)i * bb + at;
+        if ((rd16(b) & 0x7c00) == 0x7c00 || (two && (rd16(b + 2) & 0x7c00) == 0x7c00)) return 0;
+    }
+    return 1;
+}
+
+/* 32 values from the signed bytes q (q = u - the type's offset): s0 * q for the first 16, s1 * q for the
+ * next 16, then + a0 / + a1 where add; dequant_row's products and sums, so the same bits */
+static inline __attribute__((always_inline)) void bf16_values32(uint16_t *o, __m256i q, float s0, float s1, int add,
+                                                                float a0, float a1) {
+    __m512 lo = _mm512_mul_ps(_mm512_set1_ps(s0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    __m512 hi = _mm512_mul_ps(_mm512_set1_ps(s1), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    if (add) {
+        lo = _mm512_add_ps(lo, _mm512_set1_ps(a0));
+        hi = _mm512_add_ps(hi, _mm512_set1_ps(a1));
+    }
+    store_bf16x32(o, lo, hi);
+}
+
+/* One row of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K straight into bf16 with the matmul's register decoders
+ * (u32x2_512, u32_avx2, regs_q4k, regs_q6k): long passes dequantize every weight per pass, and dequant_row's
+ * decoding made that ~16% of a 118-token prefill of the 1.5B. Returns 0 for other types and for rows with
+ * a non-finite scale (to_bf16's NaN). */
+static int dequant_row_bf16_512(int t, const uint8_t *w, int64_t K, uint16_t *out) {
+    if ((family(t) != FAM_32 && t != Q4_K && t != Q6_K) || !scales_finite(t, w, K)) return 0;
+    if (family(t) == FAM_32) {
+        /* Q4_1/Q5_1: d u + m; the others d (u - offset), where u - offset fits a signed byte */
+        const int bb = block_bytes(t), add = t == Q4_1 || t == Q5_1;
+        const __m512i ofs = _mm512_set1_epi8((char)(t == Q4_0 ? 8 : t == Q5_0 ? 16 : t == Q8_0 ? 128 : 0));
+        const int64_t nb = K / 32;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            float d0, d1, o0, o1;
+            const __m512i q = _mm512_sub_epi8(u32x2_512(t, w + b * bb, bb, &d0, &d1, &o0, &o1), ofs);
+            bf16_values32(out + 32 * b, _mm512_castsi512_si256(q), d0, d0, add, o0, o0);
+            bf16_values32(out + 32 * b + 32, _mm512_extracti64x4_epi64(q, 1), d1, d1, add, o1, o1);
+        }
+        if (b < nb) {
+            float d, o;
+            const __m256i q = _mm256_sub_epi8(u32_avx2(t, w + b * bb, &d, &o), _mm512_castsi512_si256(ofs));
+            bf16_values32(out + 32 * b, q, d, d, add, o, o);
+        }
+        return 1;
+    }
+    const int bb = block_bytes(t);
+    const __m512i ofs = _mm512_set1_epi8(t == Q6_K ? 32 : 0);
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = w + sb * bb;
+        __m512i U[4], S[4];
+        __m256i mn;
+        float d, dm, dl[16], ml[16];
+        if (t == Q6_K) { /* dl * (u - 32) per group of 16 */
+            regs_q6k(b, U, S, &mn, &d, &dm);
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int g = 0; g < 16; g++) { dl[g] = d * (float)sc[g]; ml[g] = 0.0f; }
+        } else { /* dl * u - ml per sub-block of 32 */
+            regs_q4k(b, U, S, &mn, &d, &dm);
+            uint8_t s8[8], m8[8];
+            q4k_scales(b + 4, s8, m8);
+            for (int g = 0; g < 16; g++) { dl[g] = d * (float)s8[g / 2]; ml[g] = -(dm * (float)m8[g / 2]); }
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m512i q = _mm512_sub_epi8(U[c], ofs);
+            uint16_t *o = out + 256 * sb + 64 * c;
+            const int g = 4 * c;
+            bf16_values32(o, _mm512_castsi512_si256(q), dl[g], dl[g + 1], t == Q4_K, ml[g], ml[g + 1]);
+            bf16_values32(o + 32, _mm512_extracti64x4_epi64(q, 1), dl[g + 2], dl[g + 3], t == Q4_K, ml[g + 2], ml[g + 3]);
+        }
+    }
+    return 1;
+}
+#endif
 
 /* out[r1 - r0, K] = rows r0 .. r1 - 1 of W, in float32 (bf16 = 0) or as their bf16 roundings (bf16 = 1: the
  * weights long passes multiply, written straight into the chunk torch multiplies, with no float32 copy).
@@ -1122,6 +1214,9 @@ int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, i
             if (!bf16) {
                 dequant_row(type, w + r * row_bytes, K, (float *)out + (r - r0) * K);
             } else if (tmp) {
+#if GQ_512
+                if (dequant_row_bf16_512(type, w + r * row_bytes, K, (uint16_t *)out + (r - r0) * K)) continue;
+#endif
                 dequant_row(type, w + r * row_bytes, K, tmp);
                 uint16_t *o = (uint16_t *)out + (r - r0) * K;
                 for (int64_t e = 0; e < K; e++) o[e] = to_bf16(tmp[e]);
