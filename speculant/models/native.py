@@ -30,7 +30,9 @@ _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 KQUANT_SOURCE = _KERNELS / "kquant.c"
 SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
 PORTABLE_SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE)
-HEADERS = (_KERNELS / "simd.h",)  # included by the sources: part of the build's hash
+# included by the sources: part of the build's hash (gq.c's parts, in their include order, and simd.h)
+HEADERS = tuple(_KERNELS / h for h in ("gq_types.h", "gq_decode.h", "gq_dot_k.h", "gq_dot_32.h", "gq_dequant.h",
+                                        "simd.h"))
 _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _FLAGS = _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
