@@ -30,9 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", default=None,
                    help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
                         "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors)")
-    p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 10)")
-    p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 5)")
-    p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 4)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 4)")
+    p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 4)")
+    p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 2)")
     p.add_argument("--dtype", default=None, help="weight format: gguf (a .gguf file's own block types, the default for .gguf files), "
                    "bf16/f16 (default for HF folders storing them), q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0 (quantize on load), "
                    "int8, float32 (the reference)")

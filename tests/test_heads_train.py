@@ -49,6 +49,37 @@ def test_train_resume_and_draft(method, corpus, tmp_path):
     assert done.token_ids == ref and done.stats.accepted_tokens > 0
 
 
+def test_the_saved_head_is_the_best_held_out_one(tmp_path):
+    """A head that got worse on held-out text after its best evaluation is not what the run leaves:
+    the folder keeps the weights of the best evaluation, the run's last metrics beside them; a resumed
+    run starts from that score."""
+    from safetensors.torch import load_file
+
+    from speculant.heads.config import default_config
+    from speculant.heads.modules import build_head
+    from speculant.heads.train import _Best
+
+    target = tiny_model(32)
+    head = build_head(default_config("eagle3", target.config, 24))
+    out = tmp_path / "best"
+    best = _Best(out, resumed=False)
+    weights = []
+    for step, chain in ((5, 0.1), (10, 0.3), (15, 0.2)):
+        with torch.no_grad():
+            head.fc.weight.fill_(step)
+        weights.append(head.fc.weight.clone())
+        metrics = {"loss": 1.0, "acc": [chain], "chain": chain}
+        best.offer(head, metrics, step, {"steps": step} if step == 15 else None)
+    saved = json.loads((out / "config.json").read_text())["stats"]
+    assert saved["best_step"] == 10 and saved["val"]["chain"] == 0.3 and saved["val_last"]["chain"] == 0.2
+    assert saved["steps"] == 15
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], weights[1])
+    again = _Best(out, resumed=True)
+    assert again.score == (0.3, -1.0)
+    again.offer(head, {"loss": 0.5, "acc": [0.3], "chain": 0.3}, 20)  # same chain, lower loss: better
+    assert json.loads((out / "config.json").read_text())["stats"]["best_step"] == 20
+
+
 def test_data_split_and_errors(corpus, tmp_path):
     target = tiny_model(32)
     tr, val, fp = sequences(target.tokenizer, corpus, DataConfig(seq_len=64, tokens=2048, val_fraction=0.2))

@@ -22,13 +22,13 @@ def add_heads_parsers(sub) -> None:
                    help="training tokens to extract (default: 100,000 for models under 1B parameters, 60,000 above)")
     t.add_argument("--minutes", type=float, default=5.0, help="time budget, extraction included (default 5)")
     t.add_argument("--out", default=None, help="output folder (default: SPECULANT_HOME/heads/MODEL-METHOD)")
-    t.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head proposes (default 16384)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head proposes (default 8192)")
     t.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
     t.add_argument("--steps", type=int, default=3, help="eagle: unrolled draft steps in training (default 3)")
     t.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head's layer (default: the target's)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     t.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
-    t.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3 medusa, 2e-3 eagle)")
+    t.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3 medusa, 4e-3 eagle)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=None, help="CPU threads")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -59,7 +59,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
           f"{args.minutes:g} min) -> {out}", file=sys.stderr)
     del n_params
     stats = train(target, tcfg, dcfg, files, out, progress=not args.no_progress)
-    print(json.dumps({"heads": str(out), **{k: stats[k] for k in ("val", "steps", "epochs", "train_tokens",
+    print(json.dumps({"heads": str(out), **{k: stats.get(k) for k in ("val", "best_step", "steps", "epochs", "train_tokens",
                                                                "extract_seconds", "total_seconds")}}))
     return 0
 
