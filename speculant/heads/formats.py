@@ -41,11 +41,20 @@ def save_head(head: MedusaHeads | EagleHead, folder: Path, stats: dict | None = 
     tmp = folder / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")
-    cfg = {"speculant_head": head.cfg.to_dict(), "format_version": FORMAT_VERSION, "stats": stats or {}}
+    _write_config(folder, {"speculant_head": head.cfg.to_dict(), "format_version": FORMAT_VERSION, "stats": stats or {}})
+    return folder
+
+
+def save_stats(folder: Path, stats: dict) -> None:
+    """Replace the `stats` of the speculant checkpoint in `folder` (its weights stay as they are)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    _write_config(folder, {**cfg, "stats": stats})
+
+
+def _write_config(folder: Path, cfg: dict) -> None:
     tmp = folder / "config.json.tmp"  # readers (a drafter loading a head mid-training) never see half a file
     tmp.write_text(json.dumps(cfg, indent=1))
     tmp.replace(folder / "config.json")
-    return folder
 
 
 def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:

@@ -8,8 +8,9 @@ Recipe (one run, within `minutes`):
 3. draft vocabulary: the `draft_vocab` most frequent tokens among the target's own choices and the
    text (FR-Spec / EAGLE-3), output rows started at the target's rows for them;
 4. AdamW on the head alone (the target stays frozen) in bf16 autocast, until the time or epoch
-   budget ends; held-out acceptance measured every `eval_every` steps; a resumable checkpoint
-   (head + optimizer, safetensors) every CHECKPOINT_SECONDS.
+   budget ends; held-out acceptance measured every `eval_every` steps, the head of the best
+   evaluation kept in the output folder (_Best); a resumable checkpoint (head + optimizer,
+   safetensors) every CHECKPOINT_SECONDS.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..errors import SpeculantError
 from .config import HEAD_METHODS, default_config
 from .data import DataConfig, batches, sequences
 from .features import Features, extract
-from .formats import save_head
+from .formats import save_head, save_stats
 from .modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .objectives import eagle_loss, medusa_loss
 
@@ -224,8 +225,7 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
 def _score(metrics: dict) -> tuple[float, float]:
     """What the kept head maximizes: held-out drafts a chain gets accepted (EAGLE) or head 1's top-1
     hit rate (Medusa), then the lower held-out loss."""
-    first = metrics["chain"] if "chain" in metrics else metrics["acc"][0]
-    return float(first[0] if isinstance(first, list) else first), -float(metrics["loss"])
+    return float(metrics["chain"] if "chain" in metrics else metrics["acc"][0]), -float(metrics["loss"])
 
 
 class _Best:
@@ -252,13 +252,8 @@ class _Best:
             self.score, self.stats = _score(metrics), {"val": metrics, "best_step": step}
             save_head(head, self.out, {**(final or {"steps": step, "partial": True}), **self.stats})
         elif final is not None:
-            cfg = self.out / "config.json"
-            saved = json.loads(cfg.read_text())
-            saved["stats"] = {**final, **self.stats, "val_last": metrics}
-            tmp = cfg.with_suffix(".tmp")
-            tmp.write_text(json.dumps(saved, indent=1))
-            tmp.replace(cfg)
             self.stats["val_last"] = metrics
+            save_stats(self.out, {**final, **self.stats})
 
 
 class _Progress:
