@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
@@ -18,7 +17,8 @@ from speculant.heads.modules import build_head, init_from_target
 from speculant.heads.runtime import HeadsConfig
 from speculant.methods.medusa import static_tree
 from speculant.sampling import SamplingConfig
-from test_engine import PENALTIES, PROMPT, _exact_marginals
+from sampled import exact_marginals, sample_runs
+from test_engine import PENALTIES, PROMPT
 
 METHODS = ("medusa", "eagle2", "eagle3")
 
@@ -89,24 +89,13 @@ def test_sampled_distribution_exact(method, sampling, tmp_path):
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     method, _, governed = method.partition("-")
     n_tok = 5 if governed else 4
-    exp = _exact_marginals(target, prompt, sampling, n_tok)
+    exp = exact_marginals(target, prompt, sampling, n_tok)
     e = engine(target, method, random_head(target, method, tmp_path, seed=3), nodes=5, depth=3, topk=2)
     if governed:
         e = Engine(target, method=replace(e.method, governor=GovernorConfig("on", probe=2, hold=2, max_hold=4)))
-    counts = torch.zeros(n_tok, V)
-    drafted = accepted = paused = 0
-    for i in range(RUNS):
-        done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=replace(sampling, seed=1000 + i)))
-        counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
-        drafted += done.stats.drafted_tokens
-        accepted += done.stats.accepted_tokens
-        paused += done.stats.paused_rounds
-    assert 0 < accepted < drafted
-    assert (paused > RUNS // 5) if governed else paused == 0
-    for j in range(n_tok):
-        keep = exp[j] * RUNS > 5
-        obs, ex = counts[j][keep], exp[j][keep] * RUNS
-        assert chisquare(obs.numpy(), (ex * obs.sum() / ex.sum()).numpy()).pvalue > 1e-3, (method, j)
+    r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, RUNS)
+    r.check_rounds(bool(governed))
+    assert min(r.pvalues(exp)) > 1e-3, (method, r.pvalues(exp))
 
 
 def test_static_tree_is_prefix_closed_and_best_first():

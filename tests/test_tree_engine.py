@@ -2,11 +2,8 @@
 target's distribution (deterministic trees, i.i.d. and without-replacement siblings, penalties),
 the hidden states handed to tap drafters, stats."""
 
-from dataclasses import replace
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from conftest import tiny_model
 from speculant.candidates import Dist, draw
@@ -20,7 +17,8 @@ from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
 from speculant.sampling import SamplingConfig
 from speculant.tree import DraftTree
-from test_engine import PENALTIES, PROMPT, _exact_marginals
+from sampled import exact_marginals, sample_runs
+from test_engine import PENALTIES, PROMPT
 
 
 class RandomTree:
@@ -181,35 +179,24 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
     drafter, _, governed = drafter.partition("-")  # "-governed": plain rounds between tree rounds
     governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()
     n_tok = 5 if governed else 4
-    exp = _exact_marginals(target, prompt, sampling, n_tok)
-    counts = torch.zeros(n_tok, V)
-    drafted = accepted = paused = 0
-    for i in range(RUNS):
+    exp = exact_marginals(target, prompt, sampling, n_tok)
+
+    def engine_for(i: int) -> Engine:
         if drafter == "lookup_tree":
-            e = Engine(target, method=MethodConfig("lookup_tree", lookup=LookupConfig(2, 1),
-                                                   lookup_tree=LookupTreeConfig(3, 6, 3), governor=governor))
-        elif drafter == "draft_tree":  # sampled chain tokens with their q, runner-up siblings one-hot
-            e = Engine(target, tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1),
-                       MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
-                                    draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2),
-                                    governor=governor))
-        else:
-            kind = WrongQ if drafter == "wrong" else RandomTree
-            e = with_drafter(Engine(target, method=MethodConfig("lookup")),
-                             kind(V, [3, 2], "without" if drafter == "wrong" else drafter, seed=i))
-        done = e.generate(prompt, GenerationConfig(max_new_tokens=n_tok, sampling=replace(sampling, seed=1000 + i)))
-        counts[torch.arange(n_tok), torch.tensor(done.token_ids)] += 1
-        drafted += done.stats.drafted_tokens
-        accepted += done.stats.accepted_tokens
-        paused += done.stats.paused_rounds
-    assert 0 < accepted < drafted
-    assert (paused > RUNS // 5) if governed else paused == 0
-    pvalues = []
-    for j in range(n_tok):
-        keep = exp[j] * RUNS > 5
-        obs, ex = counts[j][keep], exp[j][keep] * RUNS
-        pvalues.append(chisquare(obs.numpy(), (ex * obs.sum() / ex.sum()).numpy()).pvalue)
-    return min(pvalues)
+            return Engine(target, method=MethodConfig("lookup_tree", lookup=LookupConfig(2, 1),
+                                                      lookup_tree=LookupTreeConfig(3, 6, 3), governor=governor))
+        if drafter == "draft_tree":  # sampled chain tokens with their q, runner-up siblings one-hot
+            return Engine(target, tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1),
+                          MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
+                                       draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2),
+                                       governor=governor))
+        kind = WrongQ if drafter == "wrong" else RandomTree
+        return with_drafter(Engine(target, method=MethodConfig("lookup")),
+                            kind(V, [3, 2], "without" if drafter == "wrong" else drafter, seed=i))
+
+    r = sample_runs(engine_for, prompt, sampling, n_tok, V, RUNS)
+    r.check_rounds(bool(governed))
+    return min(r.pvalues(exp))
 
 
 @pytest.mark.parametrize("drafter, sampling", [

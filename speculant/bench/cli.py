@@ -104,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _speed(args: argparse.Namespace) -> int:
     from ..runtime import configure_threads
-    from .report import output_dir, render, stdout_console, write_json, write_markdown
+    from .report import output_dir, publish
     from .speed import SpeedConfig
     from .speed_run import run_speed, speed_tables
 
@@ -116,12 +116,7 @@ def _speed(args: argparse.Namespace) -> int:
     threads = configure_threads(args.threads)
     err = Console(stderr=True)
     result = run_speed(cfg, threads=threads, progress=not args.no_progress, err=err)
-    tables = speed_tables(result)
-    console = stdout_console()
-    for t in tables:
-        render(t, console)
-    files = [write_json(out / "speed.json", result.to_dict()),
-             write_markdown(out / "speed.md", tables, "speculant bench speed")]
+    files = publish(speed_tables(result), result.to_dict(), out, "speed")
     err.print("wrote " + ", ".join(str(f) for f in files))
     return 0
 
@@ -142,7 +137,7 @@ def _methods(args: argparse.Namespace) -> int:
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers
     from .prompts import load_prompts
-    from .report import bar_chart, output_dir, render, stdout_console, write_json, write_markdown
+    from .report import bar_chart, output_dir, publish
 
     if args.method:
         raise SpeculantError("bench methods compares several methods: use --methods (e.g. --methods ar draft lookup)")
@@ -178,12 +173,7 @@ def _methods(args: argparse.Namespace) -> int:
         "draft_vocab": base.method.draft_model.vocab, "draft_context": base.method.draft_model.context,
         "hybrid_check": base.method.hybrid.check, "governor": base.method.governor.mode,
     }
-    tables = methods_tables(result)
-    console = stdout_console()
-    for t in tables:
-        render(t, console)
-    files = [write_json(out / "methods.json", result.to_dict()),
-             write_markdown(out / "methods.md", tables, "speculant bench methods")]
+    files = publish(methods_tables(result), result.to_dict(), out, "methods")
     cats, series = chart_series(result)
     if series:
         files.append(bar_chart(out / "methods.png", cats, series, ylabel=f"speedup over {cfg.reference} (tok/s)",

@@ -115,6 +115,14 @@ def write_json(path: Path, data: object) -> Path:
     return path
 
 
+def publish(tables: Sequence[Table], data: object, out: Path, name: str) -> list[Path]:
+    """Print `tables` and write them as OUT/NAME.md beside the raw results OUT/NAME.json (`bench NAME`)."""
+    console = stdout_console()
+    for t in tables:
+        render(t, console)
+    return [write_json(out / f"{name}.json", data), write_markdown(out / f"{name}.md", tables, f"speculant bench {name}")]
+
+
 def bar_chart(path: Path, groups: Sequence[str], series: dict[str, Sequence[float | None]], *, title: str,
               ylabel: str, baseline: float | None = 1.0) -> Path:
     """Grouped bars: one group per entry of `groups`, one bar per series (None = no bar)."""

@@ -199,17 +199,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
                 const int mc = (int)(M - m0 < MAXR ? M - m0 : MAXR);
                 float o[MAXR];
                 if (raw) {
-#if GQ_512
-#define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
-#define BR(R) dot_32_raw(R, t, wrow, nb, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
-                    if (fam == FAM_32) {
-                        ROW_SWITCH(mc, BR);
-                    } else {
-                        ROW_SWITCH(mc, KR);
-                    }
-#undef KR
-#undef BR
-#elif GQ_AVX2
+#if GQ_AVX2 /* dot_k_raw / dot_32_raw: the 512-bit or the 256-bit ones, whichever this build defines */
 #define KR(R) dot_k_raw(R, t == Q6_K, wrow, nsb, xqk + m0 * K, K, xdk + m0 * nsb, xbk + m0 * (K / 16), o)
 #define BR(R) dot_32_raw(R, t, wrow, nb, xq32 + m0 * K, K, xd32 + m0 * nb, xs32 + m0 * nb, o)
                     if (fam == FAM_32) {
