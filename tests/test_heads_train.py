@@ -93,6 +93,62 @@ def test_data_split_and_errors(corpus, tmp_path):
         sequences(target.tokenizer, corpus[:1], DataConfig(seq_len=4096, tokens=8192))
 
 
+def test_training_on_the_targets_answers(corpus, tmp_path):
+    """--prompts: the target answers every prompt (greedy: its own continuation, kept as a document in a
+    folder a rerun reuses), the answers come first in the training text, and a budget with no time left
+    for a single answer is a clear error."""
+    from speculant.heads.answers import AnswerConfig, answer, answers_folder
+
+    target = tiny_model(32, seed=3, layers=2, logit_scale=3.0)
+    prompts = [" ".join(f"t{(7 * i + j) % 32}" for j in range(6)) for i in range(10)]
+    acfg = AnswerConfig(max_tokens=40)
+    tcfg = TrainConfig("eagle3", minutes=0.3, batch=4, draft_vocab=24, eval_every=5, epochs=2)
+    stats = train(target, tcfg, DataConfig(seq_len=32, tokens=512, val_fraction=0.2), corpus, tmp_path / "heads" / "h",
+                  progress=False, prompts=prompts, acfg=acfg)
+    assert stats["answers"] == 10
+    folder = answers_folder(tmp_path / "heads" / ".answers", target, prompts, acfg)
+    docs = sorted(folder.glob("*.txt"))
+    assert len(docs) == 10
+    for p, doc in zip(prompts, docs):
+        ref = Engine(target).generate(p, GenerationConfig(max_new_tokens=40)).token_ids
+        assert target.tokenizer.encode(doc.read_text()) == target.tokenizer.encode(p) + ref
+    # answers already there are reused, whatever the deadline; none left to answer past it
+    before = [d.stat().st_mtime_ns for d in docs]
+    assert answer(target, prompts, acfg, folder, deadline=0.0) == docs
+    assert [d.stat().st_mtime_ns for d in docs] == before
+    assert answer(target, prompts + ["t1 t2"], acfg, tmp_path / "other", deadline=0.0) == []
+    # the training text starts with the answers (512 tokens fit in them)
+    tr, _, _ = sequences(target.tokenizer, corpus, DataConfig(seq_len=32, tokens=512, val_fraction=0.2), docs)
+    answer_ids = {t for d in docs for t in target.tokenizer.encode(d.read_text())}
+    assert set(tr.flatten().tolist()) <= answer_ids
+    with pytest.raises(SpeculantError, match="no time to answer"):
+        train(target, replace(tcfg, minutes=1e-6), DataConfig(seq_len=32, tokens=512), corpus, tmp_path / "x" / "h",
+              progress=False, prompts=["t3 t4"], acfg=acfg)
+
+
+def test_prompt_files_and_their_errors(tmp_path):
+    from speculant.heads.answers import AnswerConfig, answer, read_prompts
+
+    txt = tmp_path / "p.txt"
+    txt.write_text("Write a haiku.\n\n  Explain zip().  \n")
+    assert read_prompts(txt) == ["Write a haiku.", "Explain zip()."]
+    js = tmp_path / "p.jsonl"
+    js.write_text(json.dumps({"prompt": "line one\nline two"}) + "\n" + json.dumps({"prompt": "b", "id": 2}) + "\n")
+    assert read_prompts(js) == ["line one\nline two", "b"]
+    for body, match in (("{not json\n", "line 1: not JSON"), ('{"text": "x"}\n', "line 1: expected an object"),
+                        ("\n\n", "no prompts")):
+        js.write_text(body)
+        with pytest.raises(SpeculantError, match=match):
+            read_prompts(js)
+    with pytest.raises(SpeculantError, match="cannot read"):
+        read_prompts(tmp_path / "missing.txt")
+    with pytest.raises(SpeculantError, match="--answer-tokens"):
+        AnswerConfig(max_tokens=0)
+    target = tiny_model(32, context=16)
+    with pytest.raises(SpeculantError, match="prompt 2: .*context"):
+        answer(target, ["t1", " ".join(["t2"] * 20)], AnswerConfig(4), tmp_path / "a", deadline=float("inf"))
+
+
 @pytest.mark.real
 def test_real_smollm2_trained_eagle3_matches_ar(real_model_cache, tmp_path):
     """A short self-distillation of SmolLM2 on the default corpus (stdlib text), then greedy decoding of

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpeculantError
+from .answers import ANSWER_TOKENS
 
 
 def add_heads_parsers(sub) -> None:
@@ -18,6 +19,11 @@ def add_heads_parsers(sub) -> None:
     t.add_argument("--data", nargs="+", default=None, metavar="PATH",
                    help="training text: files or folders (default: this Python's standard library sources and "
                         "installed packages' docs; never HumanEval or Spec-Bench)")
+    t.add_argument("--prompts", default=None, metavar="FILE",
+                   help="train on the target's own answers to these prompts first (one per line, or JSON lines "
+                        "with \"prompt\"): prompts like the ones the head will draft for")
+    t.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                   help=f"--prompts: most tokens per answer (default {ANSWER_TOKENS})")
     t.add_argument("--tokens", type=int, default=None,
                    help="training tokens to extract (default: 100,000 for models under 1B parameters, 60,000 above)")
     t.add_argument("--minutes", type=float, default=5.0, help="time budget, extraction included (default 5)")
@@ -42,6 +48,7 @@ def add_heads_parsers(sub) -> None:
 def cmd_train_heads(args: argparse.Namespace) -> int:
     from ..models import load_model
     from ..runtime import configure_threads
+    from .answers import AnswerConfig, read_prompts
     from .data import DataConfig, default_sources, expand
     from .store import default_name, heads_dir
     from .train import TrainConfig, train
@@ -50,17 +57,18 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     tcfg = TrainConfig(args.method, args.minutes, args.batch, args.lr, args.steps, args.draft_vocab, args.heads,
                        args.intermediate, seed=args.seed)
     files = expand(args.data) if args.data else default_sources()
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    acfg = AnswerConfig(args.answer_tokens)
     target = load_model(args.model, args.dtype, progress=not args.no_progress)
-    n_params = sum(p.numel() for p in target.model.parameters())
     tokens = args.tokens or (100_000 if target.config.dim < 1024 else 60_000)
     dcfg = DataConfig(seq_len=args.seq_len, tokens=tokens, seed=args.seed)
     out = Path(args.out) if args.out else heads_dir() / default_name(args.model, args.method)
-    print(f"training {args.method} heads for {args.model} ({len(files)} source files, {tokens} tokens, "
+    answers = f"answers to {len(prompts)} prompts, then " if prompts else ""
+    print(f"training {args.method} heads for {args.model} ({answers}{len(files)} source files, {tokens} tokens, "
           f"{args.minutes:g} min) -> {out}", file=sys.stderr)
-    del n_params
-    stats = train(target, tcfg, dcfg, files, out, progress=not args.no_progress)
+    stats = train(target, tcfg, dcfg, files, out, progress=not args.no_progress, prompts=prompts, acfg=acfg)
     print(json.dumps({"heads": str(out), **{k: stats.get(k) for k in ("val", "best_step", "steps", "epochs", "train_tokens",
-                                                               "extract_seconds", "total_seconds")}}))
+                                                               "answers", "extract_seconds", "total_seconds")}}))
     return 0
 
 

@@ -3,7 +3,8 @@
 The default corpus is the running Python's standard library (its .py sources: code, docstrings and
 comments; pydoc_data's topics: prose) and the README/description text that installed packages ship in
 their METADATA. Nothing comes from HumanEval or Spec-Bench (their prompts live in speculant/bench and
-are not read here). `--data PATH` replaces the default by text files or folders of them.
+are not read here). `--data PATH` replaces the default by text files or folders of them; the target's
+answers to `--prompts` (answers.py) come before either.
 
 Documents are tokenized whole, cut into sequences of `seq_len` tokens, and split into train and
 validation by a hash of the document's path, so the held-out acceptance is measured on documents the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,13 +74,17 @@ def _is_val(path: Path, cfg: DataConfig) -> bool:
     return h[0] / 256 < cfg.val_fraction * 2  # small files are many: aim at ~val_fraction of the tokens
 
 
-def sequences(tokenizer, files: list[Path], cfg: DataConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(train [N, seq_len], val [M, seq_len]) token ids and a fingerprint of the data, from `files`.
+def sequences(tokenizer, files: list[Path], cfg: DataConfig,
+              first: Sequence[Path] = ()) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(train [N, seq_len], val [M, seq_len]) token ids and a fingerprint of the data, from `first`
+    (the target's answers, answers.py), then `files`.
 
-    Files are visited in a seeded shuffle until `tokens` training tokens (and ~val_fraction of that in
-    validation) are collected."""
-    order = list(files)
-    random.Random(cfg.seed).shuffle(order)
+    Each list is visited in a seeded shuffle until `tokens` training tokens (and ~val_fraction of that
+    in validation) are collected."""
+    order = []
+    for group in (list(first), list(files)):
+        random.Random(cfg.seed).shuffle(group)
+        order += group
     want = {False: cfg.tokens, True: max(cfg.seq_len, int(cfg.tokens * cfg.val_fraction))}
     bufs: dict[bool, list[int]] = {False: [], True: []}
     digest = hashlib.sha256(f"{cfg}".encode())

@@ -1,8 +1,9 @@
 """`speculant train-heads`: self-distillation of a draft head from the target, on this machine's CPU.
 
 Recipe (one run, within `minutes`):
-1. text: data.py's default corpus (stdlib sources, package docs) or --data, cut into sequences,
-   split into train / validation by document;
+0. with --prompts: the target's own answers to them (answers.py), at most ANSWER_SHARE of the time;
+1. text: those answers first, then data.py's default corpus (stdlib sources, package docs) or --data,
+   cut into sequences, split into train / validation by document;
 2. features: one target forward per sequence (features.py), cached as safetensors; at most
    EXTRACT_SHARE of the time budget, then training uses what was extracted;
 3. draft vocabulary: the `draft_vocab` most frequent tokens among the target's own choices and the
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculantError
+from .answers import AnswerConfig, answer, answers_folder
 from .config import HEAD_METHODS, default_config
 from .data import DataConfig, batches, sequences
 from .features import Features, extract
@@ -32,7 +34,8 @@ from .formats import save_head, save_stats
 from .modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .objectives import eagle_loss, medusa_loss
 
-EXTRACT_SHARE = 0.5  # of the time budget, at most, for feature extraction
+ANSWER_SHARE = 0.35  # of the time budget, at most, for the target's answers to --prompts
+EXTRACT_SHARE = 0.5  # of the time budget, at most, for answers and feature extraction together
 CHECKPOINT_SECONDS = 60.0
 EVAL_SEQS = 32  # validation sequences scored at each evaluation
 
@@ -162,8 +165,10 @@ def choose_vocab(f: Features, size: int, vocab: int) -> torch.Tensor:
     return counts.topk(min(size, vocab)).indices.sort().values
 
 
-def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: Path, progress: bool = True) -> dict:
-    """Train a head for `target` (a LoadedModel) and save it in `out`; returns its stats."""
+def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: Path, progress: bool = True,
+          prompts: list[str] | None = None, acfg: AnswerConfig = AnswerConfig()) -> dict:
+    """Train a head for `target` (a LoadedModel) and save it in `out`; returns its stats. `prompts`: train
+    on the target's answers to them first (answers.py)."""
     t0 = time.monotonic()
     deadline = t0 + tcfg.minutes * 60
     torch.manual_seed(tcfg.seed)
@@ -174,10 +179,17 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
     from dataclasses import replace
 
     cfg = replace(cfg, target=target.name)
-    train_tok, val_tok, fp = sequences(target.tokenizer, files, dcfg)
-    tag = f"{Path(str(target.path)).name}-{target.dtype}-{fp}-taps{'_'.join(map(str, cfg.taps))}"
-    feat_dir = out.parent / ".features" / tag
     with _Progress(progress, tcfg.minutes * 60) as bar:
+        first: list[Path] = []
+        if prompts:
+            bar.phase(f"answers ({len(prompts)} prompts, up to {acfg.max_tokens} tokens)", len(prompts))
+            first = answer(target, prompts, acfg, answers_folder(out.parent / ".answers", target, prompts, acfg),
+                           t0 + ANSWER_SHARE * tcfg.minutes * 60, bar.advance)
+            if not first:
+                raise SpeculantError("--minutes left no time to answer a prompt; give more minutes")
+        train_tok, val_tok, fp = sequences(target.tokenizer, files, dcfg, first)
+        tag = f"{Path(str(target.path)).name}-{target.dtype}-{fp}-taps{'_'.join(map(str, cfg.taps))}"
+        feat_dir = out.parent / ".features" / tag
         total = train_tok.shape[0] + val_tok.shape[0]
         bar.phase(f"features ({total} x {dcfg.seq_len} tokens)", total)
         val = extract(model, val_tok, cfg.taps, feat_dir / "val", bar.advance)
@@ -215,7 +227,7 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
         bar.show(trainer.epoch, trainer.step, loss, metrics)
         trainer.save_checkpoint(out, meta)
     stats = {"val": metrics, "val_start": start_metrics, "steps": trainer.step, "epochs": trainer.epoch, "resumed": resumed,
-             "train_tokens": int(tr.tokens.numel()), "val_tokens": int(val.tokens.numel()),
+             "train_tokens": int(tr.tokens.numel()), "val_tokens": int(val.tokens.numel()), "answers": len(first),
              "extract_seconds": round(t_extract, 1), "total_seconds": round(time.monotonic() - t0, 1),
              "data": fp, "recipe": asdict(tcfg), "seq_len": dcfg.seq_len}
     best.offer(head, metrics, trainer.step, stats)
