@@ -12,8 +12,9 @@ the default recipe does not generate: `--prompts` is how a user brings prompts l
 Prompts: a text file with one prompt per line, or JSON lines (`.jsonl`) with a "prompt" string each.
 Every prompt is answered through the model's chat template (a model without one continues the prompt
 as raw text), greedily, by prompt lookup decoding (the tokens plain decoding gives, sooner), and the
-whole turn (template and answer) becomes one training document. Answers are kept in a folder keyed by the model, the prompts and the settings: a rerun or a
-resumed run reuses them, and one that ran out of time continues where it stopped.
+whole turn (template and answer) becomes one training document. Answers are kept in a folder keyed by
+the model, the prompts and the settings: a rerun or a resumed run reuses them, and one that ran out of
+time continues where it stopped.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def add_heads_parsers(sub) -> None:
     t.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
                    help=f"--prompts: most tokens per answer (default {ANSWER_TOKENS})")
     t.add_argument("--tokens", type=int, default=None,
-                   help="training tokens to extract (default: 100,000 for models under 1B parameters, 60,000 above)")
+                   help="training tokens to extract (default: 100,000 for a hidden size under 1,024, 60,000 above)")
     t.add_argument("--minutes", type=float, default=5.0, help="time budget, extraction included (default 5)")
     t.add_argument("--out", default=None, help="output folder (default: SPECULANT_HOME/heads/MODEL-METHOD)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head proposes (default 8192)")
