@@ -236,6 +236,7 @@ class Engine:
         t_decode = time.perf_counter()
         stats.prefill_seconds += t_decode - t_draft
         pending = first
+        ready = getattr(drafter, "ready", None)  # drafters that defer their prompt's prefill (draft_model.py)
         while not out.finished:
             room = max_len - cache.length - 1  # the forward below writes 1 + k slots
             if room < 0:
@@ -244,6 +245,8 @@ class Engine:
             paused = drafter is not None and not governor.speculate  # the governor's plain round
             speculating = drafter is not None and not paused
             k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculating else 0
+            if k > 0 and ready is not None:
+                ready()  # a deferred prompt prefill: the generation's cost, not the round's
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()

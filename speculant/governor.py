@@ -36,7 +36,11 @@ class GovernorConfig:
     # noise: draft 0.88x vs 0.87x `ar` on a Spec-Bench subset, in different runs; stop 22's note).
     probe: int = 6
     hold: int = 12  # rounds with the faster arm before probing the other again; doubles while it stays faster
-    max_hold: int = 192
+    # The schedule goes on across an engine's generations (GovernorMemory), so up to 768 rounds (6 answers of
+    # 128 tokens) pass between probes of a settled choice. With 192, a probe came every ~1.5 answers, and
+    # a probe of a draft model that sat idle pays its prompt prefill first: on Spec-Bench (26 prompts, 96% of
+    # rounds plain) `draft` still ran at 0.91x `ar`, decoding 8.9 s slower with 12.2 s of drafting in probes.
+    max_hold: int = 768
 
     def __post_init__(self) -> None:
         if self.mode not in GOVERNOR_MODES:
@@ -54,29 +58,37 @@ class GovernorConfig:
 
 @dataclass(slots=True)
 class GovernorMemory:
-    """What an engine's earlier generations learned: the arm found faster and the latest rate of each.
-    A generation starts with that arm; without it, 12 speculative rounds come first, about a quarter
-    of a 128-token answer. (Measured gain: none beyond noise on a Spec-Bench subset, stop 22's note.)"""
+    """An engine's schedule, carried from one generation to the next: the arm found faster, the latest
+    rate of each, and the phase in progress (its arm, its `hold`, the rounds left, what it measured so far).
+    A generation goes on where the last one stopped. Restarting each generation with `hold` = 12 probed the
+    other arm after 12, 42 and 96 rounds of every 128-token answer, so a draft model that loses still
+    drafted some 18 rounds per answer, and its prompt prefill (deferred until its first draft, see
+    DraftModelDrafter.start) was paid in every generation."""
 
     best: bool | None = None
     rate: dict[bool, float] | None = None
+    speculate: bool | None = None
+    hold: int | None = None
+    left: int | None = None
+    tokens: int = 0
+    seconds: float = 0.0
 
 
 class Governor:
     """One generation's arm choice. `speculate` is read before a round; `record` after it. With a
-    `memory`, it starts from what earlier generations found and leaves what it finds there."""
+    `memory`, it goes on with the schedule earlier generations left there and leaves its own there."""
 
     def __init__(self, cfg: GovernorConfig, active: bool, memory: GovernorMemory | None = None) -> None:
         self.cfg = cfg
         self.active = active
-        self.memory = memory if memory is not None else GovernorMemory()
-        self.best = True if self.memory.best is None else self.memory.best  # the arm believed faster
-        self.speculate = self.best  # the arm of the current phase
-        self.hold = cfg.hold
-        self.left = cfg.hold  # rounds left in the current phase
-        self.rate: dict[bool, float] = dict(self.memory.rate or {})  # arm -> tokens/s of its latest phase
-        self._tokens = 0
-        self._seconds = 0.0
+        m = self.memory = memory if memory is not None else GovernorMemory()
+        self.best = True if m.best is None else m.best  # the arm believed faster
+        self.speculate = self.best if m.speculate is None else m.speculate  # the arm of the current phase
+        self.hold = cfg.hold if m.hold is None else m.hold
+        self.left = self.hold if m.left is None else m.left  # rounds left in the current phase
+        self.rate: dict[bool, float] = dict(m.rate or {})  # arm -> tokens/s of its latest phase
+        self._tokens = m.tokens
+        self._seconds = m.seconds
 
     def record(self, tokens: int, seconds: float) -> None:
         """A round of the current arm emitted `tokens` in `seconds` (drafting and verification)."""
@@ -85,8 +97,13 @@ class Governor:
         self._tokens += tokens
         self._seconds += seconds
         self.left -= 1
-        if self.left > 0:
-            return
+        if self.left <= 0:
+            self._end_phase()
+        m = self.memory
+        m.speculate, m.hold, m.left = self.speculate, self.hold, self.left
+        m.tokens, m.seconds = self._tokens, self._seconds
+
+    def _end_phase(self) -> None:
         if self._seconds > 0:
             self.rate[self.speculate] = self._tokens / self._seconds
         if self.speculate != self.best:  # a probe of the other arm ended

@@ -273,6 +273,8 @@ def test_a_guess_checked_by_the_draft_saves_forwards_but_not_tokens(pair):
         finally:
             del model.forward
         assert got == plain, agree
+        assert calls[0] == len(PROMPT) - 1  # the prompt's prefill, deferred to the first draft
+        calls.pop(0)
         assert len(calls) == 5 - agree and calls[0] == 1 + 1 + min(len(guess), 4)  # unfed + pending + guess
         # the draft's cache holds what propose() promises: the context, pending and all drafts but the last
         d.commit([7] + got, len(got))

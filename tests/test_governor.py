@@ -48,12 +48,15 @@ def test_the_faster_arm_wins_and_probes_thin_out():
     drive(gov, {True: 0.05, False: 0.02}, 100)
     late = drive(gov, {True: 0.005, False: 0.02}, 100)
     assert late[-30:].count(True) >= 27
-    # an engine's next generation starts from what the last one found, and keeps probing
+    # an engine's next generation goes on with the schedule where the last one stopped: 40 rounds are
+    # 6 + 3 + 6 + 3 + 12 + 3 rounds of phases and 7 of a plain phase of 24 (hold doubled twice)
     memory = GovernorMemory()
-    drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 40)
+    first = drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 40)
     assert memory.best is False and memory.rate[False] > memory.rate[True]
-    nxt = drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 12)
-    assert nxt[:6] == [False] * 6 and nxt[6:9] == [True] * 3
+    assert first[30:33] == [True] * 3 and first[33:] == [False] * 7 and memory.left == 17
+    nxt = drive(Governor(cfg, True, memory), {True: 0.05, False: 0.02}, 20)
+    assert nxt[:17] == [False] * 17 and nxt[17:20] == [True] * 3  # the rest of the phase, then a probe
+    assert first + nxt == drive(Governor(cfg, True), {True: 0.05, False: 0.02}, 60)  # as one generation of 60
     # inactive: always speculate
     assert all(drive(Governor(cfg, False), {True: 1.0, False: 0.001}, 50))
 
@@ -100,6 +103,29 @@ def test_plain_rounds_between_speculative_ones_keep_greedy_output(models, method
     auto = Engine(target, e.draft, MethodConfig(method, m.draft_length, heads=heads))
     a, b = auto.generate(PROMPT, s), auto.generate(PROMPT, s)
     assert a.token_ids == b.token_ids and a.stats.paused_rounds == 0
+
+
+def test_a_draft_model_the_governor_keeps_idle_never_runs(models):
+    """A generation inside a plain phase that an earlier one left never runs the draft model, not even its
+    prompt prefill; when the next probe comes, the draft catches up and the output is still `ar`'s."""
+    target, draft = models
+    gen = GenerationConfig(max_new_tokens=30)
+    ref = Engine(target).generate(PROMPT, gen).token_ids
+    e = Engine(target, draft, MethodConfig("draft", governor=GovernorConfig("on", probe=3, hold=6, max_hold=48)))
+    runs = []
+    model = draft.model
+    model.forward = lambda *a, **kw: runs.append(a[0].shape[0]) or type(model).forward(model, *a, **kw)
+    try:
+        e._governor_memory = GovernorMemory(best=False, rate={True: 1.0, False: 2.0}, speculate=False, hold=48,
+                                            left=40)
+        idle = e.generate(PROMPT, gen)
+        assert idle.token_ids == ref and idle.stats.rounds == 0 and runs == []
+        assert e._governor_memory.left == 40 - 29  # the schedule goes on in the next generation
+        probed = e.generate(PROMPT, gen)  # 11 plain rounds, then a probe of 3 speculative ones (or more)
+        assert probed.token_ids == ref and probed.stats.paused_rounds >= 11 and probed.stats.rounds >= 3
+        assert runs[0] == len(PROMPT) - 1  # the deferred prefill came with the first draft
+    finally:
+        del model.forward
 
 
 def _slowed(fn, seconds):

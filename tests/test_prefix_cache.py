@@ -4,6 +4,7 @@ import pytest
 
 from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
+from speculant.governor import GovernorConfig
 from speculant.method import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
@@ -21,14 +22,16 @@ def pair():
 
 
 def engines(target, draft):
-    dl = DraftLengthConfig(3, "heuristic", 6)
+    # every round speculative (no governor), so each turn runs the draft's prefill (deferred to its first draft)
+    dl, off = DraftLengthConfig(3, "heuristic", 6), GovernorConfig("off")
     return {
         "ar": Engine(target),
-        "lookup": Engine(target, method=MethodConfig("lookup", dl)),
-        "draft": Engine(target, draft, MethodConfig("draft", dl)),
-        "hybrid": Engine(target, draft, MethodConfig("hybrid", dl)),
+        "lookup": Engine(target, method=MethodConfig("lookup", dl, governor=off)),
+        "draft": Engine(target, draft, MethodConfig("draft", dl, governor=off)),
+        "hybrid": Engine(target, draft, MethodConfig("hybrid", dl, governor=off)),
         # a draft window of 40 tokens: it moves as the conversation grows (DraftModelConfig.context)
-        "draft-window": Engine(target, draft, MethodConfig("draft", dl, draft_model=DraftModelConfig(context=40))),
+        "draft-window": Engine(target, draft, MethodConfig("draft", dl, draft_model=DraftModelConfig(context=40),
+                                                           governor=off)),
     }
 
 

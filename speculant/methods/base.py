@@ -56,7 +56,8 @@ class Drafter(Protocol):
 
         Tap drafters are called `start(prompt, hidden=h)`, h[tap] [R, D] for prompt[-R:]: R is
         len(prompt) unless a prompt cache reused a prefix (whose hidden states were never computed
-        again); R >= 1."""
+        again); R >= 1. A drafter may defer work on the prompt to its first draft; then it has
+        `ready()`, which the engine calls before it times a speculative round."""
 
     def propose(self, pending: int, k: int) -> Draft | DraftTree:
         """Up to k tokens predicted to follow the committed context + `pending`: a chain (`Draft`) or a

@@ -62,6 +62,9 @@ class DraftTreeDrafter:
     def start(self, prompt: list[int]) -> None:
         self.inner.start(prompt)
 
+    def ready(self) -> None:
+        self.inner.ready()
+
     def propose(self, pending: int, k: int) -> DraftTree:
         self.recorder.rows.clear()
         w = self.cfg.width

@@ -93,6 +93,9 @@ class HybridDrafter:
         self.model.start(prompt)
         self._reset()
 
+    def ready(self) -> None:
+        self.model.ready()
+
     def _reset(self) -> None:
         d = self.cfg.decay
         self.unchecked_yield = _Mean(d)  # tokens per round an unchecked guess gives (measured or counterfactual)
