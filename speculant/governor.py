@@ -20,7 +20,7 @@ exactly; its distribution is still the target's), `off` never.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import SpeculantError
 from .sampling import SamplingConfig
@@ -65,58 +65,53 @@ class GovernorMemory:
     drafted some 18 rounds per answer, and its prompt prefill (deferred until its first draft, see
     DraftModelDrafter.start) was paid in every generation."""
 
-    best: bool | None = None
-    rate: dict[bool, float] | None = None
-    speculate: bool | None = None
-    hold: int | None = None
-    left: int | None = None
-    tokens: int = 0
-    seconds: float = 0.0
+    best: bool = True  # the arm believed faster
+    speculate: bool = True  # the arm of the current phase
+    rate: dict[bool, float] = field(default_factory=dict)  # arm -> tokens/s of its latest phase
+    hold: int | None = None  # None: a fresh schedule (the first Governor sets GovernorConfig.hold)
+    left: int = 0  # rounds left in the current phase
+    tokens: int = 0  # emitted in the current phase so far
+    seconds: float = 0.0  # spent in the current phase so far
 
 
 class Governor:
-    """One generation's arm choice. `speculate` is read before a round; `record` after it. With a
-    `memory`, it goes on with the schedule earlier generations left there and leaves its own there."""
+    """One generation's arm choice. `speculate` is read before a round; `record` after it. The state is
+    `memory`'s: a generation goes on with the schedule earlier ones left there."""
 
     def __init__(self, cfg: GovernorConfig, active: bool, memory: GovernorMemory | None = None) -> None:
         self.cfg = cfg
         self.active = active
-        m = self.memory = memory if memory is not None else GovernorMemory()
-        self.best = True if m.best is None else m.best  # the arm believed faster
-        self.speculate = self.best if m.speculate is None else m.speculate  # the arm of the current phase
-        self.hold = cfg.hold if m.hold is None else m.hold
-        self.left = self.hold if m.left is None else m.left  # rounds left in the current phase
-        self.rate: dict[bool, float] = dict(m.rate or {})  # arm -> tokens/s of its latest phase
-        self._tokens = m.tokens
-        self._seconds = m.seconds
+        self.memory = memory if memory is not None else GovernorMemory()
+        if self.memory.hold is None:  # speculate first, for `hold` rounds
+            self.memory.hold = self.memory.left = cfg.hold
+
+    @property
+    def speculate(self) -> bool:
+        return self.memory.speculate
 
     def record(self, tokens: int, seconds: float) -> None:
         """A round of the current arm emitted `tokens` in `seconds` (drafting and verification)."""
         if not self.active:
             return
-        self._tokens += tokens
-        self._seconds += seconds
-        self.left -= 1
-        if self.left <= 0:
-            self._end_phase()
         m = self.memory
-        m.speculate, m.hold, m.left = self.speculate, self.hold, self.left
-        m.tokens, m.seconds = self._tokens, self._seconds
-
-    def _end_phase(self) -> None:
-        if self._seconds > 0:
-            self.rate[self.speculate] = self._tokens / self._seconds
-        if self.speculate != self.best:  # a probe of the other arm ended
-            other = self.rate.get(self.best)
-            if other is not None and self.rate.get(self.speculate, 0.0) > other:
-                self.best, self.hold = self.speculate, self.cfg.hold  # the probe won: switch, re-learn
+        m.tokens += tokens
+        m.seconds += seconds
+        m.left -= 1
+        if m.left > 0:
+            return
+        if m.seconds > 0:
+            m.rate[m.speculate] = m.tokens / m.seconds
+        if m.speculate != m.best:  # a probe of the other arm ended
+            other = m.rate.get(m.best)
+            if other is not None and m.rate.get(m.speculate, 0.0) > other:
+                m.best, m.hold = m.speculate, self.cfg.hold  # the probe won: switch, re-learn
             else:
-                self.hold = min(2 * self.hold, self.cfg.max_hold)
-            self._phase(self.best, self.hold)
-            self.memory.best, self.memory.rate = self.best, dict(self.rate)
+                m.hold = min(2 * m.hold, self.cfg.max_hold)
+            self._phase(m.best, m.hold)
         else:
-            self._phase(not self.best, self.cfg.probe)
+            self._phase(not m.best, self.cfg.probe)
 
     def _phase(self, arm: bool, rounds: int) -> None:
-        self.speculate, self.left = arm, rounds
-        self._tokens, self._seconds = 0, 0.0
+        m = self.memory
+        m.speculate, m.left = arm, rounds
+        m.tokens, m.seconds = 0, 0.0

@@ -123,8 +123,7 @@ class DraftModelDrafter:
         """Up to k tokens after `pending`. A `guess` of what follows (prompt lookup's) is scored in the
         first forward: its leading tokens that equal the draft's own greedy choices are taken as
         drafts without a forward each, then the draft goes on from the first disagreement."""
-        if self.waiting is not None:
-            self._begin()
+        self.ready()
         device = self.model.device
         sampler = self.sampler
         greedy = sampler.generator is None
