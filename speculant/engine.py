@@ -92,6 +92,9 @@ class Engine:
             if draft is None:
                 raise SpeculantError(f"--method {self.method.name} needs a draft model (--draft MODEL)")
             check_compatible(target, draft)
+            if draft.model.device != target.model.device:
+                raise SpeculantError(f"the draft model is on {draft.model.device} but the target on "
+                                     f"{target.model.device}; load both on one device (--device)")
             self._draft_head = reduced_head(draft.model, self.method.draft_model)
             # A draft forward in target forwards: decoding streams the weights, so their bytes.
             head = self._draft_head or draft.model.lm_head
@@ -272,8 +275,9 @@ class Engine:
             else:
                 tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None,
                                                sampler.dist(logits, prefix), sampler.generator)
-            n = int(n_acc)
-            new = tokens[: n + 1].tolist()  # the round's one host sync
+            read = torch.cat([n_acc.reshape(1), tokens]).tolist()  # the round's one host sync
+            n = read[0]
+            new = read[1 : n + 2]
             sampler.push(new)
             cache.rollback(base + 1 + n)
             if drafter is not None:

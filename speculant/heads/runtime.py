@@ -30,7 +30,7 @@ class HeadsConfig:
     nodes: int = 4
     depth: int = 4  # EAGLE: draft steps (tree depth) per round
     topk: int = 2  # EAGLE: children per expanded node, and nodes expanded per step
-    fmt: str | None = None  # the head's weight format (None: q8_0 where the GGML kernels run, else float32)
+    fmt: str | None = None  # the head's weight format (None: q8_0 where the GGML kernels run on the CPU, else float32)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_DRAFT_TOKENS:
@@ -46,6 +46,11 @@ def load_heads(target, method: str, cfg: HeadsConfig) -> tuple[MedusaHeads | Eag
     head, stats = load_head(folder, target.config)
     if head.cfg.method != method:
         raise SpeculantError(f"{folder} holds {head.cfg.method} heads, not {method}; use --method {head.cfg.method}")
+    device = target.model.device
+    fmt = cfg.fmt or (inference_format() if device.type == "cpu" else "float32")
+    if device.type != "cpu" and fmt != "float32":
+        raise SpeculantError(f"heads in {fmt} run on the CPU only (their kernels are C); the target is on {device}: "
+                             "use float32 heads there")
     if isinstance(head, EagleHead) and not head.cfg.own_lm_head:
         init_from_target(head, target.model)
-    return for_inference(head, cfg.fmt or inference_format()), stats
+    return for_inference(head, fmt).to(device), stats

@@ -73,7 +73,8 @@ class EagleDrafter:
         committed = self.cache.length + tokens.shape[0]
         root_pos = self.pos0 + committed - 1  # (F_P, pending) sits at position P
         with torch.inference_mode():
-            h = self._pass(head.first_feature(feats), tokens, None, torch.arange(committed - tokens.shape[0], committed) + self.pos0)
+            positions = torch.arange(committed - tokens.shape[0], committed, device=feats.device) + self.pos0
+            h = self._pass(head.first_feature(feats), tokens, None, positions)
             return self._tree(h[-1:], root_pos, committed, min(k, cfg.nodes))
 
     def _pass(self, feature: Tensor, tokens: Tensor, mask: Tensor | None, positions: Tensor) -> Tensor:
@@ -84,6 +85,7 @@ class EagleDrafter:
     def _tree(self, h_root: Tensor, root_pos: int, committed: int, budget: int) -> DraftTree:
         head, cfg = self.head, self.cfg
         b = cfg.topk
+        dev = h_root.device
         logp = torch.log_softmax(head.logits(h_root).float(), -1)  # [1, Vd]
         top = logp.topk(min(b, logp.shape[-1]), -1)
         # every node generated: draft id, parent node (-1 = pending), cumulative log-prob, depth
@@ -113,8 +115,13 @@ class EagleDrafter:
             mask[:, :committed] = True
             for r, slots in enumerate(rows):
                 mask[r, slots] = True
-            feature = h_root.expand(S, -1) if depth == 2 else h_prev[torch.tensor([pos_of[p] for p in (parents[e] for e in expand)])]
-            out = self._pass(feature, head.d2t[flat_ids[expand]], mask, torch.full((S,), root_pos + depth - 1))
+            mask = mask.to(dev)  # built on the host, then one copy
+            if depth == 2:
+                feature = h_root.expand(S, -1)
+            else:
+                feature = h_prev[torch.tensor([pos_of[parents[e]] for e in expand], device=dev)]
+            positions = torch.full((S,), root_pos + depth - 1, device=dev)
+            out = self._pass(feature, head.d2t[flat_ids[expand]], mask, positions)
             lp = torch.log_softmax(head.logits(out).float(), -1) + all_scores[expand][:, None]  # [S, Vd]
             ch = lp.topk(min(b, lp.shape[-1]), -1)
             ids.append(ch.indices.reshape(-1))

@@ -60,7 +60,7 @@ class MedusaDrafter:
         self.depth = max(len(p) for p in self.paths)
         self.width = 1 + max(max(p) for p in self.paths)  # guesses each head must rank
         # flat index into the heads' [depth, width] guesses of each node
-        self.index = torch.tensor([(len(p) - 1) * self.width + p[-1] for p in self.paths])
+        self.index = torch.tensor([(len(p) - 1) * self.width + p[-1] for p in self.paths], device=head.d2t.device)
         self._h: Tensor | None = None  # [1, D] the target's normed state at the last context token
 
     def start(self, prompt: list[int], hidden: dict[int, Tensor] | None = None) -> None:

@@ -21,7 +21,8 @@ from .config import ModelConfig
 from .formats import WEIGHT_FORMATS
 from .transformer import Output, Transformer
 
-__all__ = ["KVCache", "LoadedModel", "ModelConfig", "Output", "Transformer", "default_dtype", "load_model"]
+__all__ = ["KVCache", "LoadedModel", "ModelConfig", "Output", "Transformer", "default_dtype", "load_model",
+           "resolve_device"]
 
 
 @dataclass(slots=True)
@@ -49,6 +50,26 @@ def default_dtype(path: Path | None = None, device: str = "cpu") -> str:
     return {"BF16": "bf16", "F16": "f16"}.get(_stored_dtype(path), "float32")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`--device` as a torch.device: cpu or cuda[:N] (float32 only there), checked before any weights load."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SpeculantError(f"unknown --device {device!r}; use cpu or cuda (cuda:N for another GPU)") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise SpeculantError(f"--device {device} is not supported; use cpu or cuda (cuda:N for another GPU)")
+    if not torch.cuda.is_available():
+        raise SpeculantError(f"--device {device}: this torch build ({torch.__version__}) sees no CUDA GPU; "
+                             "install a CUDA build of torch, or use --device cpu")
+    n = torch.cuda.device_count()
+    index = 0 if dev.index is None else dev.index
+    if not 0 <= index < n:
+        raise SpeculantError(f"--device {device}: there is no GPU {index} (this machine has {n}: cuda:0..cuda:{n - 1})")
+    return torch.device("cuda", index)
+
+
 def _kernels_missing() -> str | None:
     """Why the block-format kernels cannot run here (their build failure, remembered), or None."""
     from . import native
@@ -74,7 +95,7 @@ def _stored_dtype(folder: Path) -> str | None:
     return None
 
 
-def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", progress: bool = True,
+def load_model(spec: str, dtype: str | None = None, *, device: str | torch.device = "cpu", progress: bool = True,
                use_cache: bool = True) -> LoadedModel:
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
@@ -82,12 +103,14 @@ def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", prog
 
     if dtype is not None and dtype not in WEIGHT_FORMATS:
         raise SpeculantError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if device != "cpu" and dtype not in (None, "float32"):
-        raise SpeculantError(f"--dtype {dtype} runs on the CPU only; use --dtype float32 on {device}")
+    dev = resolve_device(device)
+    if dev.type != "cpu" and dtype not in (None, "float32"):
+        raise SpeculantError(f"--dtype {dtype} runs on the CPU only (its kernels are C); "
+                             f"use --dtype float32 on {device}")
     path = resolve_model(spec)
     if dtype is None:
-        dtype = default_dtype(path, device)
-        why = _kernels_missing() if device == "cpu" else None
+        dtype = default_dtype(path, dev.type)
+        why = _kernels_missing() if dev.type == "cpu" else None
         if why is not None:  # one line, not a silent slowdown
             logging.getLogger("speculant").warning(
                 f"speculant: {why}; {path.name} runs in float32 instead of its block formats (slower, more memory)")
@@ -101,4 +124,4 @@ def load_model(spec: str, dtype: str | None = None, *, device: str = "cpu", prog
     calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
     model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
                               calibration_ids=calib)
-    return LoadedModel(name=spec, path=path, model=model.to(device), tokenizer=tokenizer, dtype=dtype)
+    return LoadedModel(name=spec, path=path, model=model.to(dev), tokenizer=tokenizer, dtype=dtype)

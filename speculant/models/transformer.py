@@ -30,6 +30,8 @@ Which route a forward takes (S = tokens in the pass):
 Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it
 is scored alone or with drafted tokens, and a tree node's whether it is scored in the tree or on its
 path as a chain, which keeps speculative greedy output identical to `ar`. Taps do not change the route.
+On a GPU (`--device cuda`, float32 only) short passes take the torch row-wise route, and FloatLinear runs
+every short pass as one of SHORT_PASS_MAX rows, so they are batch-invariant there too (scripts/cuda_check.py).
 """
 
 from __future__ import annotations
@@ -79,17 +81,18 @@ class Block(nn.Module):
         self.hidden_dim = cfg.hidden_dim
 
     def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
-                mask: Tensor | None, row_wise: bool) -> Tensor:
+                mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
         """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1.
 
-        mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S]."""
+        mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S].
+        keys: a tree pass's `tree_keys` (off the CPU: read from the mask once per pass, not per layer)."""
         h = rms_norm(x, self.attn_norm, self.eps)
-        x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise)
+        x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise, keys)
         h = self.gate_up(rms_norm(x, self.ffn_norm, self.eps))  # [S, 2F]
         return x + self.down(swiglu(h, self.hidden_dim))
 
     def _attention(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
-                   mask: Tensor | None, row_wise: bool) -> Tensor:
+                   mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
         lib = native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
@@ -117,8 +120,12 @@ class Block(nn.Module):
             # A tree row attends to its ancestors: gathered after the committed slots, they are the keys
             # of the chain that ends at it, in the same order.
             qs = (qk[:, :H] * hd**-0.5).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
-            seen = [slice(0, start + i + 1) if mask is None else
-                    torch.cat([torch.arange(start, device=x.device), start + mask[i].nonzero()[:, 0]]) for i in range(S)]
+            if keys is not None:
+                seen = keys
+            else:
+                seen = [slice(0, start + i + 1) if mask is None else
+                        torch.cat([torch.arange(start, device=x.device), start + mask[i].nonzero()[:, 0]])
+                        for i in range(S)]
             out = torch.cat([
                 torch.bmm(torch.bmm(qs[i], k[:, idx].transpose(1, 2)).softmax(-1), v[:, idx])
                 .view(1, H * hd)  # [Hkv, H/Hkv, hd] -> [1, H hd], heads in order
@@ -233,8 +240,10 @@ class Transformer(nn.Module):
             x, tapped = fused(x, cache, start, cos, sin, mask, taps)
         else:
             tapped = {}
+            # the CPU reads the mask row by row for free; a GPU would wait for its queue at every read
+            keys = tree_keys(mask, start, x.device) if tree and row_wise and x.device.type != "cpu" else None
             for i, blk in enumerate(self.blocks):
-                x = blk(x, cache, i, start, cos, sin, mask, row_wise)
+                x = blk(x, cache, i, start, cos, sin, mask, row_wise, keys)
                 if i in taps:
                     tapped[i] = x
         cache.length = end
@@ -265,6 +274,14 @@ class Transformer(nn.Module):
             for layer, t in out.taps.items():
                 tapped.setdefault(layer, []).append(t)
         return Output(torch.cat(logits), {layer: torch.cat(ts) for layer, ts in tapped.items()})
+
+
+def tree_keys(mask: Tensor, start: int, device: torch.device) -> list[Tensor]:
+    """The cache slots each row of a tree pass attends to (the committed ones, then its ancestors' rows,
+    in order), from its [S, S] mask: one read of the mask and one copy to `device` for the whole pass."""
+    m = mask.to("cpu", torch.bool)
+    rows = [torch.cat([torch.arange(start), start + r.nonzero()[:, 0]]) for r in m]
+    return list(torch.cat(rows).to(device).split([len(r) for r in rows]))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

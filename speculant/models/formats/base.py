@@ -44,6 +44,14 @@ class FloatLinear(QLinear):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:  # x [M, K] -> [M, N]
+        M = x.shape[0]
+        if x.device.type != "cpu" and x.dim() == 2 and 0 < M < SHORT_PASS_MAX:
+            # Off the CPU a short pass multiplies SHORT_PASS_MAX rows (zeros past M): cuBLAS picks its kernel,
+            # and so its order of summation, by the shape, so a row's result would depend on how many rows
+            # share the pass (M = 1 decoding vs M = 1 + k verification), and greedy speculative output could
+            # leave `ar`'s at a near tie. One shape for every short pass keeps them batch-invariant; decoding
+            # reads the weights either way, so the extra rows cost next to nothing.
+            return F.linear(F.pad(x, (0, 0, 0, SHORT_PASS_MAX - M)), self.weight, self.bias)[:M]
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
