@@ -67,7 +67,7 @@ def test_tiny_gguf_file_generates(capsys, tmp_path, monkeypatch):
     rc, out, err = run(capsys, "generate", "--model", str(path), "--dtype", "float32", "-n", "5", "--stats", "--no-progress", "ab")
     assert rc == 0, err
     stats = json.loads(err.strip().splitlines()[-1])
-    assert stats["generated_tokens"] == 5 and stats["method"] == "ar"
+    assert stats["generated_tokens"] == 5 and stats["method"] == "lookup"  # the default without --draft
     assert set(out.strip()) <= set("abc")
 
 
