@@ -54,13 +54,11 @@ args = ap.parse_args()
 sys.path.insert(0, args.tests)
 
 from conftest import tiny_model  # noqa: E402  (tests/conftest.py: the random-model builder the tests use)
+from test_heads import random_head  # noqa: E402  (a random head saved as a checkpoint folder)
 
 from speculant.cli import main as cli_main  # noqa: E402
 from speculant.engine import Engine, GenerationConfig  # noqa: E402
 from speculant.governor import GovernorConfig  # noqa: E402
-from speculant.heads.config import default_config  # noqa: E402
-from speculant.heads.formats import save_head  # noqa: E402
-from speculant.heads.modules import build_head, init_from_target  # noqa: E402
 from speculant.heads.runtime import HeadsConfig  # noqa: E402
 from speculant.method import MethodConfig  # noqa: E402
 from speculant.methods.base import DraftLengthConfig  # noqa: E402
@@ -150,22 +148,9 @@ PENALTIES = SamplingConfig(0.0, repeat_penalty=1.3, repeat_last_n=16, presence_p
 HEADS_DIR = Path(tempfile.mkdtemp(prefix="cuda-check-heads-"))
 
 
-def random_head(target: LoadedModel, method: str, seed: int = 0, scale: float = 2.0) -> Path:
-    """A random head saved as a checkpoint folder (tests/test_heads.py's), outputs at the target's rows."""
-    torch.manual_seed(seed)
-    V = target.config.vocab_size
-    cfg = default_config(method, target.config, V if method == "eagle2" else V - 8, medusa_heads=3)
-    head = build_head(cfg)
-    head.set_vocab(torch.randperm(V)[: cfg.draft_vocab].sort().values)
-    init_from_target(head, target.model)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2 and "lm_head" not in name:
-                p.normal_(0, scale / p.shape[1] ** 0.5)
-    return save_head(head, HEADS_DIR / f"{method}-{seed}")
-
-
-HEADS = {m: random_head(TARGET, m) for m in ("medusa", "eagle2", "eagle3")}
+V_TARGET = TARGET.config.vocab_size
+HEADS = {m: random_head(TARGET, m, HEADS_DIR, draft_vocab=None if m == "eagle2" else V_TARGET - 8)
+         for m in ("medusa", "eagle2", "eagle3")}
 
 
 def engines(target: LoadedModel, dself: LoadedModel, dother: LoadedModel, governor=OFF) -> dict[str, Engine]:
