@@ -120,12 +120,10 @@ class Block(nn.Module):
             # A tree row attends to its ancestors: gathered after the committed slots, they are the keys
             # of the chain that ends at it, in the same order.
             qs = (qk[:, :H] * hd**-0.5).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
-            if keys is not None:
-                seen = keys
+            if mask is None:
+                seen = [slice(0, start + i + 1) for i in range(S)]
             else:
-                seen = [slice(0, start + i + 1) if mask is None else
-                        torch.cat([torch.arange(start, device=x.device), start + mask[i].nonzero()[:, 0]])
-                        for i in range(S)]
+                seen = keys if keys is not None else tree_keys(mask, start, x.device)
             out = torch.cat([
                 torch.bmm(torch.bmm(qs[i], k[:, idx].transpose(1, 2)).softmax(-1), v[:, idx])
                 .view(1, H * hd)  # [Hkv, H/Hkv, hd] -> [1, H hd], heads in order
