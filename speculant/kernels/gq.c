@@ -34,12 +34,14 @@
  *  gq_dot_k.h    canonical float reductions; K-quant dot products, decoded and from raw superblocks
  *  gq_dot_32.h   32-block and float dot products, decoded and from raw blocks
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
+ *  gq_gemm.h     prompt passes of K-quants on AVX512-VNNI builds (an output per lane)
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
 #include "gq_decode.h"
 #include "gq_dot_k.h"
 #include "gq_dot_32.h"
 #include "gq_dequant.h"
+#include "gq_gemm.h"
 
 int gq_supported(int t) { return family(t) >= 0; }
 int gq_block_bytes(int t) { return block_bytes(t); }
@@ -272,6 +274,79 @@ int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, i
         free(tmp);
     }
     return rc;
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]) for prompt passes (gq_gemm.h): parts as gq_matmul's, every one a
+ * K-quant of a multiple of 16 rows. Returns gq_matmul's codes, or -5 where this build or these parts cannot
+ * (the caller takes another route). Not batch-invariant: short passes use gq_matmul. */
+int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
+            int64_t N, int nthreads) {
+#if GQ_512
+    int rc = check_parts(parts, nparts, K);
+    if (rc) return rc;
+    int64_t total = 0;
+    for (int p = 0; p < nparts; p++) {
+        if (family(parts[p].type) != FAM_K || parts[p].n % 16) return -5;
+        total += parts[p].n;
+    }
+    if (total != N) return -4;
+    const int64_t nsb = K / 256;
+    int64_t items = 0;
+    for (int p = 0; p < nparts; p++) items += (parts[p].n + 31) / 32;
+    int8_t *xq = alloc64(M * K + 64);
+    float *xd = malloc(sizeof(float) * (M * nsb + 1));
+    int16_t *xb = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
+    if (!xq || !xd || !xb) {
+        rc = -1;
+        goto done;
+    }
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * nsb; i++) quantize_block(x + i * 256, 256, xq + i * 256, xd + i, xb + i * 16, NULL);
+        /* a decoded row (u[K], sce[K/2], mn[K/16], d/dm[K/256]) and the packed tile */
+        const size_t rbytes = ((size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16 + 16) + 2 * sizeof(float) * nsb + 63) & ~(size_t)63;
+        char *mem = alloc64(rbytes + 2 * nsb * KTILE_BYTES_PER_SB);
+        drow r;
+        ktile kt[2];
+        if (mem) {
+            r.u = (uint8_t *)mem;
+            r.sce = (int16_t *)(mem + ((K + 64 + 63) & ~(int64_t)63));
+            r.mn = r.sce + K / 2;
+            r.d = (float *)(r.mn + K / 16 + 16);
+            r.dm = r.d + nsb;
+            r.f = NULL;
+            for (int v = 0; v < 2; v++) ktile_at(kt + v, mem + rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
+        } else {
+#pragma omp atomic write
+            rc = -1;
+        }
+        /* work items: 32 rows of a part (two tiles), or its last 16 */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < items; i++) {
+            if (!mem) continue;
+            int p = 0;
+            int64_t base = 0, off = 0;
+            while (i - base >= (parts[p].n + 31) / 32) { base += (parts[p].n + 31) / 32; off += parts[p++].n; }
+            const gq_part *P = parts + p;
+            const int64_t r0 = 32 * (i - base);
+            const int nv = P->n - r0 >= 32 ? 2 : 1;
+            int64_t cols[32];
+            for (int n = 0; n < 16 * nv; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
+            for (int v = 0; v < nv; v++)
+                pack_ktile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, &r, kt + v);
+            gemm_k_tile(P->type, nv, kt, nsb, M, xq, K, xd, xb, bias, cols, !P->perm, y, N);
+        }
+        free(mem);
+    }
+done:
+    free(xq); free(xd); free(xb);
+    return rc;
+#else
+    (void)parts; (void)nparts; (void)x; (void)M; (void)K; (void)bias; (void)y; (void)N; (void)nthreads;
+    return -5;
+#endif
 }
 
 /* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */

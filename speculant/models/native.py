@@ -32,7 +32,7 @@ SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS 
 PORTABLE_SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE)
 # included by the sources: part of the build's hash (gq.c's parts, in their include order, and simd.h)
 HEADERS = tuple(_KERNELS / h for h in ("gq_types.h", "gq_decode.h", "gq_dot_k.h", "gq_dot_32.h", "gq_dequant.h",
-                                        "simd.h"))
+                                        "gq_gemm.h", "simd.h"))
 _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _FLAGS = _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
@@ -139,6 +139,8 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.gq_matmul.argtypes = [p, i32, p, i64, i64, p, p, i64, i32]
     lib.gq_matmul.restype = i32
+    lib.gq_gemm.argtypes = [p, i32, p, i64, i64, p, p, i64, i32]
+    lib.gq_gemm.restype = i32
     lib.gq_dequant_rows.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.gq_dequant_rows.restype = i32
     lib.gq_dequant_range.argtypes = [i32, p, i64, i64, i64, i64, p, i32, i32]

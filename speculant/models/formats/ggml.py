@@ -6,9 +6,9 @@ q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permu
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
-Longer passes (prompt prefill) dequantize the weights a chunk at a time straight into bf16 (gq.c) and
-multiply them in bf16 where the CPU has AVX512-BF16 (oneDNN), several times faster; elsewhere they run
-the integer kernel.
+Longer passes (prompt prefill) take the best of `prefill_routes()`: K-quants an integer GEMM with an
+output per lane on AVX512-VNNI builds (gq_gemm.h); other types, or CPUs with AMX, weights dequantized a
+chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes' kernel.
 """
 
 from __future__ import annotations
@@ -56,12 +56,28 @@ def ggml_available() -> bool:
     return True
 
 
+PREFILL_ROUTES = ("gemm", "bf16", "rows")
+
+
 @functools.cache
-def bf16_prefill_available() -> bool:
-    """Whether long passes multiply in bf16 (AVX512-BF16; $SPECULANT_PREFILL=int8 turns it off)."""
-    if os.environ.get("SPECULANT_PREFILL", "").lower() == "int8":
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= native.cpu_flags() or "amx_bf16" in native.cpu_flags()
+def prefill_routes() -> tuple[str, ...]:
+    """How passes of more than SHORT_PASS_MAX rows (prompts) may multiply GGML weights on this CPU, best first.
+
+    "gemm": gq_gemm (gq_gemm.h; AVX512-VNNI builds, K-quants only), the file's blocks as they are, one output
+    per lane. "bf16": weights dequantized a chunk at a time into bf16 and multiplied by oneDNN (AVX512-BF16, or
+    AMX, which outruns any int8 kernel here: there it comes first). "rows": gq_matmul, as short passes.
+    $SPECULANT_PREFILL puts one first (int8 = rows, its old name) where this CPU runs it."""
+    flags = native.cpu_flags()
+    ok = {"gemm": ggml_available() and native.gq_library().gq_isa() == 3,
+          "bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags, "rows": True}
+    order = ["bf16", "gemm", "rows"] if "amx_bf16" in flags else ["gemm", "bf16", "rows"]
+    want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
+    if want and want not in ok:
+        raise SpeculantError(f"SPECULANT_PREFILL must be one of gemm, bf16, rows; got {want!r}")
+    if want:
+        order.remove(want)
+        order.insert(0, want)
+    return tuple(r for r in order if ok[r])
 
 
 def check_type(qtype: int, name: str) -> GGMLQuantizationType:
@@ -114,6 +130,8 @@ class GGMLLinear(QLinear):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
         self._table = table
+        # gq_gemm's parts: K-quants of whole 16-row tiles
+        self._gemm = all(GGML_QUANT_SIZES[GGMLQuantizationType(p.qtype)][0] == 256 and p.rows % 16 == 0 for p in parts)
 
     def extra_repr(self) -> str:
         kinds = "+".join(GGMLQuantizationType(p.qtype).name for p in self.parts)
@@ -138,13 +156,15 @@ class GGMLLinear(QLinear):
         M, K = x.shape
         if K != self.in_features:
             raise SpeculantError(f"a GGML linear layer expects {self.in_features} input features, got {K}")
-        if M > SHORT_PASS_MAX and bf16_prefill_available():
+        route = "rows" if M <= SHORT_PASS_MAX else next(r for r in prefill_routes() if r != "gemm" or self._gemm)
+        if route == "bf16":
             return self._forward_bf16(x)
         y = torch.empty(M, self.out_features, dtype=torch.float32)
         if M:
             bias = None if self.bias is None else self.bias.data_ptr()
-            rc = self._lib.gq_matmul(self._table, len(self.parts), x.data_ptr(), M, K, bias, y.data_ptr(),
-                                     self.out_features, torch.get_num_threads())
+            kernel = self._lib.gq_gemm if route == "gemm" else self._lib.gq_matmul
+            rc = kernel(self._table, len(self.parts), x.data_ptr(), M, K, bias, y.data_ptr(), self.out_features,
+                        torch.get_num_threads())
             if rc:
                 raise SpeculantError(_ERRORS.get(rc, f"the GGML matmul failed ({rc})"))
         return y
