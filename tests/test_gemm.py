@@ -41,14 +41,14 @@ def test_gemm_matches_a_float64_reference_on_every_build(t):
     ran = 0
     for name, lib in builds():
         rc, y = gemm(lib, lin, x)
-        if lib.gq_isa() != 3:
+        if lib.gq_isa() == 0:
             assert rc == -5 and torch.isnan(y).all(), name
             continue
         assert rc == 0, name
         err = (y.double() - ref).abs().max() / ref.abs().max()
         assert err < 2e-6, (name, float(err))
         ran += 1
-    assert ran == ("avx512vnni" in [n for n, _ in builds()])
+    assert ran == len(builds()) - 1  # every x86 build but the portable one
 
 
 def test_gemm_refuses_what_it_does_not_multiply():

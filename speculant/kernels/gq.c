@@ -281,7 +281,7 @@ int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, i
  * (the caller takes another route). Not batch-invariant: short passes use gq_matmul. */
 int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
             int64_t N, int nthreads) {
-#if GQ_512
+#if GQ_AVX2
     int rc = check_parts(parts, nparts, K);
     if (rc) return rc;
     int64_t total = 0;
@@ -292,7 +292,7 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
     if (total != N) return -4;
     const int64_t nsb = K / 256;
     int64_t items = 0;
-    for (int p = 0; p < nparts; p++) items += (parts[p].n + 31) / 32;
+    for (int p = 0; p < nparts; p++) items += (parts[p].n + 16 * TILES_PER_PASS - 1) / (16 * TILES_PER_PASS);
     int8_t *xq = alloc64(M * K + 64);
     float *xd = malloc(sizeof(float) * (M * nsb + 1));
     int16_t *xb = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
@@ -307,9 +307,9 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
         for (int64_t i = 0; i < M * nsb; i++) quantize_block(x + i * 256, 256, xq + i * 256, xd + i, xb + i * 16, NULL);
         /* a decoded row (u[K], sce[K/2], mn[K/16], d/dm[K/256]) and the packed tile */
         const size_t rbytes = ((size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16 + 16) + 2 * sizeof(float) * nsb + 63) & ~(size_t)63;
-        char *mem = alloc64(rbytes + 2 * nsb * KTILE_BYTES_PER_SB);
+        char *mem = alloc64(rbytes + TILES_PER_PASS * nsb * KTILE_BYTES_PER_SB);
         drow r;
-        ktile kt[2];
+        ktile kt[TILES_PER_PASS];
         if (mem) {
             r.u = (uint8_t *)mem;
             r.sce = (int16_t *)(mem + ((K + 64 + 63) & ~(int64_t)63));
@@ -317,26 +317,27 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             r.d = (float *)(r.mn + K / 16 + 16);
             r.dm = r.d + nsb;
             r.f = NULL;
-            for (int v = 0; v < 2; v++) ktile_at(kt + v, mem + rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
+            for (int v = 0; v < TILES_PER_PASS; v++) ktile_at(kt + v, mem + rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
         } else {
 #pragma omp atomic write
             rc = -1;
         }
-        /* work items: 32 rows of a part (two tiles), or its last 16 */
+        /* work items: 16 TILES_PER_PASS rows of a part, or its last 16 */
+        const int64_t rows = 16 * TILES_PER_PASS;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!mem) continue;
             int p = 0;
             int64_t base = 0, off = 0;
-            while (i - base >= (parts[p].n + 31) / 32) { base += (parts[p].n + 31) / 32; off += parts[p++].n; }
+            while (i - base >= (parts[p].n + rows - 1) / rows) { base += (parts[p].n + rows - 1) / rows; off += parts[p++].n; }
             const gq_part *P = parts + p;
-            const int64_t r0 = 32 * (i - base);
-            const int nv = P->n - r0 >= 32 ? 2 : 1;
+            const int64_t r0 = rows * (i - base);
+            const int tiles = P->n - r0 >= rows ? TILES_PER_PASS : 1;
             int64_t cols[32];
-            for (int n = 0; n < 16 * nv; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
-            for (int v = 0; v < nv; v++)
+            for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
+            for (int v = 0; v < tiles; v++)
                 pack_ktile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, &r, kt + v);
-            gemm_k_tile(P->type, nv, kt, nsb, M, xq, K, xd, xb, bias, cols, !P->perm, y, N);
+            gemm_k_tiles(P->type, tiles, kt, nsb, M, xq, K, xd, xb, bias, cols, !P->perm, y, N);
         }
         free(mem);
     }

@@ -17,8 +17,60 @@
 
 #include "gq_decode.h"
 
+#if GQ_AVX2
+/* The kernel is written once over a vector of VL lanes (one output each): 16 on AVX512-VNNI builds, 8 on
+ * AVX-VNNI and AVX2 builds. A pass covers two vectors of outputs (two 16-row tiles, or one tile's two
+ * halves) for GEMM_MR activation rows: GEMM_MR x 2 independent integer chains (a single chain would wait
+ * on each multiply's latency), every broadcast activation feeding both. */
 #if GQ_512
-#define GEMM_MR 4 /* activation rows per pass over the packed tiles */
+typedef __m512i vi_t;
+typedef __m512 vf_t;
+#define VL 16
+#define GEMM_MR 4
+#define VI_ZERO() _mm512_setzero_si512()
+#define VF_ZERO() _mm512_setzero_ps()
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VI_SET1(v) _mm512_set1_epi32(v)
+#define VF_SET1(v) _mm512_set1_ps(v)
+#define VI_ADD(a, b) _mm512_add_epi32(a, b)
+#define VI_MULLO(a, b) _mm512_mullo_epi32(a, b)
+#define VDP_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define VDP_I16(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#define VF_CVT(v) _mm512_cvtepi32_ps(v)
+#define VF_MUL(a, b) _mm512_mul_ps(a, b)
+#define VF_ADD(a, b) _mm512_add_ps(a, b)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#else
+typedef __m256i vi_t;
+typedef __m256 vf_t;
+#define VL 8
+#define GEMM_MR 2 /* 16 ymm registers: 2 rows x 2 vectors x (chain, sum, accumulator) and the weights */
+#define VI_ZERO() _mm256_setzero_si256()
+#define VF_ZERO() _mm256_setzero_ps()
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VI_SET1(v) _mm256_set1_epi32(v)
+#define VF_SET1(v) _mm256_set1_ps(v)
+#define VI_ADD(a, b) _mm256_add_epi32(a, b)
+#define VI_MULLO(a, b) _mm256_mullo_epi32(a, b)
+#if GQ_VNNI
+#define VDP_U8(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define VDP_I16(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else /* u < 64, |x| <= 127: vpmaddubsw's pair sums fit int16 */
+#define VDP_U8(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define VDP_I16(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+#define VF_CVT(v) _mm256_cvtepi32_ps(v)
+#define VF_MUL(a, b) _mm256_mul_ps(a, b)
+#define VF_ADD(a, b) _mm256_add_ps(a, b)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#endif
+#define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 
 /* 16 weight rows of a K-quant, packed per superblock sb:
  *   T[sb][quad q][lane n] 4 bytes: u of values 4q .. 4q + 3 of row n
@@ -60,64 +112,66 @@ static void pack_ktile(int t, const uint8_t *w, int64_t row_bytes, int64_t K, dr
     }
 }
 
-static inline __m512i bcast4(const void *p) {
+static inline vi_t bcast4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
+    return VI_SET1(v);
 }
 
-/* out[m][v] (16 outputs of tile v < NV) for R activation rows: xq [R][K] int8, xd [R][nsb], xb [R][K / 16].
- * R x NV independent vpdpbusd chains (8 at R = 4, NV = 2: a chain of one would wait on the instruction's
- * latency), and every broadcast activation feeds NV tiles. GS groups share a scale (2 for Q4_K/Q5_K, whose
- * scales are per 32 values: half the integer multiplies). */
+/* out[m][v] (output vector v < NV: lanes L[v] .. L[v] + VL - 1 of tile kt + K[v]) for R activation rows:
+ * xq [R][K] int8, xd [R][nsb], xb [R][K / 16]. GS groups share a scale (2 for Q4_K/Q5_K, whose scales are
+ * per 32 values: half the integer multiplies). */
 static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const int NV, const int GS,
                                                               const ktile *kt, const int64_t nsb, const int8_t *xq,
                                                               const int64_t K, const float *xd, const int16_t *xb,
-                                                              __m512 out[GEMM_MR][2]) {
-    __m512 acc[GEMM_MR][2];
+                                                              vf_t out[GEMM_MR][2]) {
+    const ktile *tv[2];
+    int L[2];
+    for (int v = 0; v < NV; v++) { tv[v] = kt + (VL == 16 ? v : 0); L[v] = VL == 16 ? 0 : VL * v; }
+    vf_t acc[GEMM_MR][2];
     for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        __m512i S[GEMM_MR][2];
+        vi_t S[GEMM_MR][2];
         for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) S[m][v] = _mm512_setzero_si512();
+            for (int v = 0; v < NV; v++) S[m][v] = VI_ZERO();
         const int8_t *x = xq + sb * 256;
         for (int g = 0; g < 16; g += GS) {
-            __m512i I[GEMM_MR][2];
+            vi_t I[GEMM_MR][2];
             for (int m = 0; m < R; m++)
-                for (int v = 0; v < NV; v++) I[m][v] = _mm512_setzero_si512();
+                for (int v = 0; v < NV; v++) I[m][v] = VI_ZERO();
 #pragma GCC unroll 8
             for (int qq = 0; qq < 4 * GS; qq++) {
                 const int q = 4 * g + qq;
-                __m512i w[2];
-                for (int v = 0; v < NV; v++) w[v] = _mm512_load_si512((const void *)(kt[v].T + sb * 4096 + 64 * q));
+                vi_t w[2];
+                for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + sb * 4096 + 64 * q + 4 * L[v]);
                 for (int m = 0; m < R; m++) {
-                    const __m512i xv = bcast4(x + m * K + 4 * q);
-                    for (int v = 0; v < NV; v++) I[m][v] = _mm512_dpbusd_epi32(I[m][v], w[v], xv);
+                    const vi_t xv = bcast4(x + m * K + 4 * q);
+                    for (int v = 0; v < NV; v++) I[m][v] = VDP_U8(I[m][v], w[v], xv);
                 }
             }
             for (int v = 0; v < NV; v++) {
-                const __m512i sc = _mm512_load_si512((const void *)(kt[v].SC + (sb * 16 + g) * 16));
-                for (int m = 0; m < R; m++) S[m][v] = _mm512_add_epi32(S[m][v], _mm512_mullo_epi32(I[m][v], sc));
+                const vi_t sc = VI_LOAD(tv[v]->SC + (sb * 16 + g) * 16 + L[v]);
+                for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], VI_MULLO(I[m][v], sc));
             }
         }
-        __m512i Mn[GEMM_MR][2];
+        vi_t Mn[GEMM_MR][2];
         for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) Mn[m][v] = _mm512_setzero_si512();
+            for (int v = 0; v < NV; v++) Mn[m][v] = VI_ZERO();
         for (int j = 0; j < 8; j++) {
-            __m512i mn[2];
-            for (int v = 0; v < NV; v++) mn[v] = _mm512_load_si512((const void *)(kt[v].MN + (sb * 8 + j) * 32));
+            vi_t mn[2];
+            for (int v = 0; v < NV; v++) mn[v] = VI_LOAD(tv[v]->MN + ((sb * 8 + j) * 16 + L[v]) * 2);
             for (int m = 0; m < R; m++) {
-                const __m512i b = bcast4(xb + m * (K / 16) + sb * 16 + 2 * j);
-                for (int v = 0; v < NV; v++) Mn[m][v] = _mm512_dpwssd_epi32(Mn[m][v], mn[v], b);
+                const vi_t b = bcast4(xb + m * (K / 16) + sb * 16 + 2 * j);
+                for (int v = 0; v < NV; v++) Mn[m][v] = VDP_I16(Mn[m][v], mn[v], b);
             }
         }
         for (int v = 0; v < NV; v++) {
-            const __m512 D = _mm512_load_ps(kt[v].D + sb * 16), DM = _mm512_load_ps(kt[v].DM + sb * 16);
+            const vf_t D = VF_LOAD(tv[v]->D + sb * 16 + L[v]), DM = VF_LOAD(tv[v]->DM + sb * 16 + L[v]);
             for (int m = 0; m < R; m++) {
-                const __m512 dx = _mm512_set1_ps(xd[m * nsb + sb]);
-                acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[m][v]), _mm512_mul_ps(D, dx), acc[m][v]);
-                acc[m][v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(Mn[m][v]), _mm512_mul_ps(DM, dx), acc[m][v]);
+                const vf_t dx = VF_SET1(xd[m * nsb + sb]);
+                acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
+                acc[m][v] = VF_FNMA(VF_CVT(Mn[m][v]), VF_MUL(DM, dx), acc[m][v]);
             }
         }
     }
@@ -125,49 +179,42 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
         for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
 }
 
-/* All M rows against NV packed tiles of 16 outputs; y row-major [M, N]; cols[16 v + n]: the output column of
- * lane n of tile v; contiguous: cols[0] .. cols[0] + 16 NV - 1 in order. */
-static void gemm_k_tile(int t, int NV, const ktile *kt, int64_t nsb, int64_t M, const int8_t *xq, int64_t K,
-                        const float *xd, const int16_t *xb, const float *bias, const int64_t *cols, int contiguous,
-                        float *y, int64_t N) {
-    const int gs = (t == Q4_K || t == Q5_K) ? 2 : 1;
-    __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (bias) {
-        float bv[32];
-        for (int n = 0; n < 16 * NV; n++) bv[n] = bias[cols[n]];
-        for (int v = 0; v < NV; v++) b[v] = _mm512_loadu_ps(bv + 16 * v);
-    }
+/* All M rows against `tiles` packed tiles of 16 outputs (TILES_PER_PASS at most); y row-major [M, N];
+ * cols[n]: the output column of output n (16 per tile); contiguous: cols[0] .. cols[0] + 16 tiles - 1. */
+static void gemm_k_tiles(int t, int tiles, const ktile *kt, int64_t nsb, int64_t M, const int8_t *xq, int64_t K,
+                         const float *xd, const int16_t *xb, const float *bias, const int64_t *cols, int contiguous,
+                         float *y, int64_t N) {
+    const int gs = (t == Q4_K || t == Q5_K) ? 2 : 1, nv = 16 * tiles / VL;
+    float bv[32] = {0};
+    if (bias)
+        for (int n = 0; n < 16 * tiles; n++) bv[n] = bias[cols[n]];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
         const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
-        __m512 out[GEMM_MR][2];
+        vf_t out[GEMM_MR][2];
         const int8_t *x = xq + m0 * K;
         const float *d = xd + m0 * nsb;
         const int16_t *s = xb + m0 * (K / 16);
 #define GEMM_GS(R, V) if (gs == 2) gemm_k_rows(R, V, 2, kt, nsb, x, K, d, s, out); else gemm_k_rows(R, V, 1, kt, nsb, x, K, d, s, out);
-#define GEMM_CASE(R) if (NV == 2) { GEMM_GS(R, 2) } else { GEMM_GS(R, 1) }
+#define GEMM_CASE(R) if (nv == 2) { GEMM_GS(R, 2) } else { GEMM_GS(R, 1) }
         switch (mc) {
         case 1: GEMM_CASE(1); break;
+#if GEMM_MR > 2
         case 2: GEMM_CASE(2); break;
         case 3: GEMM_CASE(3); break;
-        default: GEMM_CASE(4); break;
+#endif
+        default: GEMM_CASE(GEMM_MR); break;
         }
 #undef GEMM_CASE
 #undef GEMM_GS
         for (int m = 0; m < mc; m++) {
-            float *yr = y + (m0 + m) * N;
-            for (int v = 0; v < NV; v++) {
-                const __m512 o = _mm512_add_ps(out[m][v], b[v]);
-                if (contiguous) {
-                    _mm512_storeu_ps(yr + cols[0] + 16 * v, o);
-                } else {
-                    float f[16];
-                    _mm512_storeu_ps(f, o);
-                    for (int n = 0; n < 16; n++) yr[cols[16 * v + n]] = f[n];
-                }
-            }
+            float *yr = y + (m0 + m) * N, o[32];
+            for (int v = 0; v < nv; v++) VF_STORE(o + VL * v, VF_ADD(out[m][v], VF_LOAD(bv + VL * v)));
+            if (contiguous) memcpy(yr + cols[0], o, sizeof(float) * 16 * tiles);
+            else
+                for (int n = 0; n < 16 * tiles; n++) yr[cols[n]] = o[n];
         }
     }
 }
-#endif /* GQ_512 */
+#endif /* GQ_AVX2 */
 
 #endif /* SPECULANT_GQ_GEMM_H */

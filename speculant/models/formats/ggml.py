@@ -68,7 +68,7 @@ def prefill_routes() -> tuple[str, ...]:
     AMX, which outruns any int8 kernel here: there it comes first). "rows": gq_matmul, as short passes.
     $SPECULANT_PREFILL puts one first (int8 = rows, its old name) where this CPU runs it."""
     flags = native.cpu_flags()
-    ok = {"gemm": ggml_available() and native.gq_library().gq_isa() == 3,
+    ok = {"gemm": ggml_available() and native.gq_library().gq_isa() >= 1,
           "bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags, "rows": True}
     order = ["bf16", "gemm", "rows"] if "amx_bf16" in flags else ["gemm", "bf16", "rows"]
     want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
