@@ -305,19 +305,22 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * nsb; i++) quantize_block(x + i * 256, 256, xq + i * 256, xd + i, xb + i * 16, NULL);
-        /* a decoded row (u[K], sce[K/2], mn[K/16], d/dm[K/256]) and the packed tile */
+        /* 16 decoded rows (u[K], sce[K/2], mn[K/16], d/dm[K/256] each, rbytes apart) and the packed tiles */
         const size_t rbytes = ((size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16 + 16) + 2 * sizeof(float) * nsb + 63) & ~(size_t)63;
-        char *mem = alloc64(rbytes + TILES_PER_PASS * nsb * KTILE_BYTES_PER_SB);
-        drow r;
+        char *mem = alloc64(16 * rbytes + TILES_PER_PASS * nsb * KTILE_BYTES_PER_SB);
+        drow r[16];
         ktile kt[TILES_PER_PASS];
         if (mem) {
-            r.u = (uint8_t *)mem;
-            r.sce = (int16_t *)(mem + ((K + 64 + 63) & ~(int64_t)63));
-            r.mn = r.sce + K / 2;
-            r.d = (float *)(r.mn + K / 16 + 16);
-            r.dm = r.d + nsb;
-            r.f = NULL;
-            for (int v = 0; v < TILES_PER_PASS; v++) ktile_at(kt + v, mem + rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
+            for (int n = 0; n < 16; n++) {
+                char *b = mem + n * rbytes;
+                r[n].u = (uint8_t *)b;
+                r[n].sce = (int16_t *)(b + ((K + 64 + 63) & ~(int64_t)63));
+                r[n].mn = r[n].sce + K / 2;
+                r[n].d = (float *)(r[n].mn + K / 16 + 16);
+                r[n].dm = r[n].d + nsb;
+                r[n].f = NULL;
+            }
+            for (int v = 0; v < TILES_PER_PASS; v++) ktile_at(kt + v, mem + 16 * rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
         } else {
 #pragma omp atomic write
             rc = -1;
@@ -336,7 +339,7 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
             for (int v = 0; v < tiles; v++)
-                pack_ktile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, &r, kt + v);
+                pack_ktile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             gemm_k_tiles(P->type, tiles, kt, nsb, M, xq, K, xd, xb, bias, cols, !P->perm, y, N);
         }
         free(mem);

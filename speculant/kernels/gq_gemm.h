@@ -43,6 +43,11 @@ typedef __m512 vf_t;
 #define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VF_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
 #define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VI_STORE(p, v) _mm512_storeu_si512((void *)(p), v)
+#define VI_GATHER(base, idx) _mm512_i32gather_epi32(idx, (const void *)(base), 1)
+#define VF_GATHER(base, idx) _mm512_i32gather_ps(idx, (const void *)(base), 1)
+#define VI_SLLI16(v) _mm512_slli_epi32(v, 16)
+#define VI_SRAI16(v) _mm512_srai_epi32(v, 16)
 #else
 typedef __m256i vi_t;
 typedef __m256 vf_t;
@@ -69,6 +74,11 @@ typedef __m256 vf_t;
 #define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VF_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
 #define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VI_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define VI_GATHER(base, idx) _mm256_i32gather_epi32((const int *)(base), idx, 1)
+#define VF_GATHER(base, idx) _mm256_i32gather_ps((const float *)(base), idx, 1)
+#define VI_SLLI16(v) _mm256_slli_epi32(v, 16)
+#define VI_SRAI16(v) _mm256_srai_epi32(v, 16)
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 
@@ -93,21 +103,76 @@ static void ktile_at(ktile *kt, char *mem, int64_t nsb) { /* mem: 64-byte aligne
     kt->DM = kt->D + nsb * 16;
 }
 
-/* Decodes rows w, w + row_bytes, ... (16 of them) of type t through r and packs them into kt. */
-static void pack_ktile(int t, const uint8_t *w, int64_t row_bytes, int64_t K, drow *r, ktile *kt) {
+/* v[c] lane n = v[n] lane c (a VL x VL transpose of 32-bit lanes) */
+static inline void transpose_lanes(vi_t v[VL]) {
+#if GQ_512
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* v[4a + c], 128-bit lane L: rows 4a .. 4a + 3 of column 4L + c */
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        v[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+#else
+    __m256i t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* v[4a + c], 128-bit lane L: rows 4a .. 4a + 3 of column 4L + c */
+        v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x20);
+        t[c + 4] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x31);
+    }
+    for (int c = 0; c < 8; c++) v[c] = t[c];
+#endif
+}
+
+/* Decodes rows w, w + row_bytes, ... (16 of them) of type t into r[0..15] (drows `stride` bytes apart, fields
+ * at the same offsets) and packs them into kt, each packed vector gathered from the 16 decoded rows. */
+static void pack_ktile(int t, const uint8_t *w, int64_t row_bytes, int64_t K, const drow *r, int64_t stride,
+                       ktile *kt) {
     const int64_t nsb = K / 256;
-    for (int n = 0; n < 16; n++) {
-        decode_row(t, w + n * row_bytes, K, r);
+    for (int n = 0; n < 16; n++) decode_row(t, w + n * row_bytes, K, (drow *)r + n);
+    int32_t off[16];
+    for (int n = 0; n < 16; n++) off[n] = (int32_t)(n * stride);
+    for (int h = 0; h < 16 / VL; h++) { /* lanes VL h .. VL h + VL - 1 */
+        const vi_t idx = VI_LOAD(off + VL * h);
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *u = r->u + sb * 256;
-            uint8_t *T = kt->T + sb * 4096 + 4 * n;
-            for (int q = 0; q < 64; q++) memcpy(T + 64 * q, u + 4 * q, 4);
-            for (int g = 0; g < 16; g++) {
-                kt->SC[(sb * 16 + g) * 16 + n] = r->sce[sb * 128 + g * 8];
-                kt->MN[((sb * 8 + g / 2) * 16 + n) * 2 + (g & 1)] = r->mn[sb * 16 + g];
+            uint8_t *T = kt->T + sb * 4096 + 4 * VL * h;
+            for (int q0 = 0; q0 < 64; q0 += VL) { /* quads q0 .. q0 + VL - 1 of VL rows: a VL x VL transpose */
+                vi_t v[VL];
+                for (int n = 0; n < VL; n++) v[n] = VI_LOAD(u + (VL * h + n) * stride + 4 * q0);
+                transpose_lanes(v);
+                for (int c = 0; c < VL; c++) VI_STORE(T + 64 * (q0 + c), v[c]);
             }
-            kt->D[sb * 16 + n] = r->d[sb];
-            kt->DM[sb * 16 + n] = r->dm[sb];
+            for (int g = 0; g < 16; g++) { /* sce[g * 8] (int16) widened to int32 */
+                const vi_t v = VI_GATHER(r->sce + sb * 128 + g * 8, idx);
+                VI_STORE(kt->SC + (sb * 16 + g) * 16 + VL * h, VI_SRAI16(VI_SLLI16(v)));
+            }
+            for (int j = 0; j < 8; j++) /* the pair mn[2j], mn[2j + 1] */
+                VI_STORE(kt->MN + ((sb * 8 + j) * 16 + VL * h) * 2, VI_GATHER(r->mn + sb * 16 + 2 * j, idx));
+            VF_STORE(kt->D + sb * 16 + VL * h, VF_GATHER(r->d + sb, idx));
+            VF_STORE(kt->DM + sb * 16 + VL * h, VF_GATHER(r->dm + sb, idx));
         }
     }
 }
