@@ -100,6 +100,58 @@ typedef struct {
     default: BODY(8); break;                                                                        \
     }
 
+/* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every
+ * one across two cache lines. Harness (gq.c in a C timer, 1 thread, 2048 rows in cache, AMD EPYC), ns per 256
+ * values, malloc -> aligned: Q5_0 x 896 M=8 50.5 -> 47.1-47.4, Q8_0 M=8 48.2-48.3 -> 46.1-46.6, Q4_K x 1536 M=8
+ * 31.2-33.3 -> 31.2-31.8; M=1 unchanged. */
+static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
+
+/* The activations of a pass, quantized as the parts' families need (quantize_block): int8 rows [M][K]; per 32
+ * values d and d * sum (32-blocks); per 256 d and the sums of each 16 (K-quants). */
+typedef struct {
+    int8_t *q32, *qk;
+    float *d32, *s32, *dk;
+    int16_t *bk;
+} xquant;
+
+static void xquant_free(xquant *X) {
+    free(X->q32); free(X->d32); free(X->s32); free(X->qk); free(X->dk); free(X->bk);
+}
+
+/* Returns 0, or -1 out of memory (X freed). */
+static int xquant_alloc(xquant *X, int64_t M, int64_t K, int need32, int needk) {
+    memset(X, 0, sizeof(*X));
+    if (need32) {
+        X->q32 = alloc64(M * K + 64);
+        X->d32 = malloc(sizeof(float) * (M * (K / 32) + 1));
+        X->s32 = malloc(sizeof(float) * (M * (K / 32) + 1));
+    }
+    if (needk) {
+        X->qk = alloc64(M * K + 64);
+        X->dk = malloc(sizeof(float) * (M * (K / 256) + 1));
+        X->bk = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
+    }
+    if ((need32 && (!X->q32 || !X->d32 || !X->s32)) || (needk && (!X->qk || !X->dk || !X->bk))) {
+        xquant_free(X);
+        return -1;
+    }
+    return 0;
+}
+
+/* Fills X from x[M, K]; called by every thread of an OpenMP team. */
+static void xquant_fill(const xquant *X, const float *x, int64_t M, int64_t K) {
+    if (X->q32) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * (K / 32); i++)
+            quantize_block(x + i * 32, 32, X->q32 + i * 32, X->d32 + i, NULL, X->s32 + i);
+    }
+    if (X->qk) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * (K / 256); i++)
+            quantize_block(x + i * 256, 256, X->qk + i * 256, X->dk + i, X->bk + i * 16, NULL);
+    }
+}
+
 /* Checks a part list against K; returns 0 or a negative code (see gq_matmul). */
 static int check_parts(const gq_part *parts, int nparts, int64_t K) {
     for (int p = 0; p < nparts; p++) {
@@ -114,11 +166,6 @@ static int check_parts(const gq_part *parts, int nparts, int64_t K) {
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]), W given as parts stacked along the output dimension.
  * Returns 0; -1 out of memory; -2 an unsupported type; -3 K not a multiple of the block size;
  * -4 a part's row size does not match its type and K. */
-/* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every
- * one across two cache lines. Harness (gq.c in a C timer, 1 thread, 2048 rows in cache, AMD EPYC), ns per 256
- * values, malloc -> aligned: Q5_0 x 896 M=8 50.5 -> 47.1-47.4, Q8_0 M=8 48.2-48.3 -> 46.1-46.6, Q4_K x 1536 M=8
- * 31.2-33.3 -> 31.2-31.8; M=1 unchanged. */
-static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
 
 int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
               int64_t N, int nthreads) {
@@ -133,38 +180,17 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
     }
     if (total != N) return -4;
     const int64_t nb = K / 32, nsb = K / 256;
-    int8_t *xq32 = NULL, *xqk = NULL;
-    float *xd32 = NULL, *xs32 = NULL, *xdk = NULL;
-    int16_t *xbk = NULL;
-    if (need32) {
-        xq32 = alloc64(M * K + 64);
-        xd32 = malloc(sizeof(float) * (M * nb + 1));
-        xs32 = malloc(sizeof(float) * (M * nb + 1));
-    }
-    if (needk) {
-        xqk = alloc64(M * K + 64);
-        xdk = malloc(sizeof(float) * (M * nsb + 1));
-        xbk = malloc(sizeof(int16_t) * (M * (K / 16) + 16));
-    }
-    if ((need32 && (!xq32 || !xd32 || !xs32)) || (needk && (!xqk || !xdk || !xbk))) {
-        rc = -1;
-        goto done;
-    }
+    xquant X;
+    if ((rc = xquant_alloc(&X, M, K, need32, needk))) return rc;
+    const int8_t *xq32 = X.q32, *xqk = X.qk;
+    const float *xd32 = X.d32, *xs32 = X.s32, *xdk = X.dk;
+    const int16_t *xbk = X.bk;
     if (nthreads < 1) nthreads = 1;
     if (N * K < (1 << 16)) nthreads = 1; /* not worth waking other threads */
 
 #pragma omp parallel num_threads(nthreads)
     {
-        if (need32) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * nb; i++)
-                quantize_block(x + i * 32, 32, xq32 + i * 32, xd32 + i, NULL, xs32 + i);
-        }
-        if (needk) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * nsb; i++)
-                quantize_block(x + i * 256, 256, xqk + i * 256, xdk + i, xbk + i * 16, NULL);
-        }
+        xquant_fill(&X, x, M, K);
         /* one decoded row per thread: u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K] */
         const size_t bytes = (size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16) + 2 * sizeof(float) * (K / 32) +
                              sizeof(float) * K + 256;
@@ -230,8 +256,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
         }
         free(mem);
     }
-done:
-    free(xq32); free(xd32); free(xs32); free(xqk); free(xdk); free(xbk);
+    xquant_free(&X);
     return rc;
 }
 
@@ -276,57 +301,53 @@ int gq_dequant_range(int type, const uint8_t *w, int64_t row_bytes, int64_t K, i
     return rc;
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias[N]) for prompt passes (gq_gemm.h): parts as gq_matmul's, every one a
- * K-quant of a multiple of 16 rows. Returns gq_matmul's codes, or -5 where this build or these parts cannot
- * (the caller takes another route). Not batch-invariant: short passes use gq_matmul. */
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]) for prompt passes (gq_gemm.h): parts as gq_matmul's, each of a type
+ * gq_gemm_type accepts and a multiple of 16 rows. Returns gq_matmul's codes, or -5 where this build or these
+ * parts cannot (the caller takes another route). Not batch-invariant: short passes use gq_matmul. */
 int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
             int64_t N, int nthreads) {
 #if GQ_AVX2
     int rc = check_parts(parts, nparts, K);
     if (rc) return rc;
-    int64_t total = 0;
+    int64_t total = 0, items = 0;
+    int need32 = 0, needk = 0;
+    const int64_t rows = 16 * TILES_PER_PASS;
     for (int p = 0; p < nparts; p++) {
-        if (family(parts[p].type) != FAM_K || parts[p].n % 16) return -5;
+        if (!gemm_type(parts[p].type) || parts[p].n % 16) return -5;
+        need32 |= family(parts[p].type) == FAM_32;
+        needk |= family(parts[p].type) == FAM_K;
         total += parts[p].n;
+        items += (parts[p].n + rows - 1) / rows; /* work items: `rows` rows of a part, or its last 16 */
     }
     if (total != N) return -4;
-    const int64_t nsb = K / 256;
-    int64_t items = 0;
-    for (int p = 0; p < nparts; p++) items += (parts[p].n + 16 * TILES_PER_PASS - 1) / (16 * TILES_PER_PASS);
-    int8_t *xq = alloc64(M * K + 64);
-    float *xd = malloc(sizeof(float) * (M * nsb + 1));
-    int16_t *xb = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
-    if (!xq || !xd || !xb) {
-        rc = -1;
-        goto done;
-    }
+    xquant X;
+    if ((rc = xquant_alloc(&X, M, K, need32, needk))) return rc;
+    const gemm_x gx = {X.qk, X.q32, X.dk, X.d32, X.s32, X.bk};
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * nsb; i++) quantize_block(x + i * 256, 256, xq + i * 256, xd + i, xb + i * 16, NULL);
-        /* 16 decoded rows (u[K], sce[K/2], mn[K/16], d/dm[K/256] each, rbytes apart) and the packed tiles */
-        const size_t rbytes = ((size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16 + 16) + 2 * sizeof(float) * nsb + 63) & ~(size_t)63;
-        char *mem = alloc64(16 * rbytes + TILES_PER_PASS * nsb * KTILE_BYTES_PER_SB);
+        xquant_fill(&X, x, M, K);
+        /* 16 decoded rows (u[K], sce[K/2], mn[K/16], d/dm[K/32] each, rbytes apart) and the packed tiles */
+        const size_t ubytes = ((size_t)K + 64 + 63) & ~(size_t)63; /* u and the loads' overrun, to sce */
+        const size_t rbytes = (ubytes + sizeof(int16_t) * (K / 2 + K / 16 + 16) + 2 * sizeof(float) * (K / 32) + 63) & ~(size_t)63;
+        char *mem = alloc64(16 * rbytes + TILES_PER_PASS * KTILE_BYTES(K));
         drow r[16];
         ktile kt[TILES_PER_PASS];
         if (mem) {
             for (int n = 0; n < 16; n++) {
                 char *b = mem + n * rbytes;
                 r[n].u = (uint8_t *)b;
-                r[n].sce = (int16_t *)(b + ((K + 64 + 63) & ~(int64_t)63));
+                r[n].sce = (int16_t *)(b + ubytes);
                 r[n].mn = r[n].sce + K / 2;
                 r[n].d = (float *)(r[n].mn + K / 16 + 16);
-                r[n].dm = r[n].d + nsb;
+                r[n].dm = r[n].d + K / 32;
                 r[n].f = NULL;
             }
-            for (int v = 0; v < TILES_PER_PASS; v++) ktile_at(kt + v, mem + 16 * rbytes + v * nsb * KTILE_BYTES_PER_SB, nsb);
+            for (int v = 0; v < TILES_PER_PASS; v++) ktile_at(kt + v, mem + 16 * rbytes + v * KTILE_BYTES(K), K);
         } else {
 #pragma omp atomic write
             rc = -1;
         }
-        /* work items: 16 TILES_PER_PASS rows of a part, or its last 16 */
-        const int64_t rows = 16 * TILES_PER_PASS;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++) {
             if (!mem) continue;
@@ -339,17 +360,26 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
             for (int v = 0; v < tiles; v++)
-                pack_ktile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
-            gemm_k_tiles(P->type, tiles, kt, nsb, M, xq, K, xd, xb, bias, cols, !P->perm, y, N);
+                pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
+            gemm_tiles(P->type, tiles, kt, M, &gx, K, bias, cols, !P->perm, y, N);
         }
         free(mem);
     }
-done:
-    free(xq); free(xd); free(xb);
+    xquant_free(&X);
     return rc;
 #else
     (void)parts; (void)nparts; (void)x; (void)M; (void)K; (void)bias; (void)y; (void)N; (void)nthreads;
     return -5;
+#endif
+}
+
+/* Whether gq_gemm multiplies type t on this build. */
+int gq_gemm_type(int t) {
+#if GQ_AVX2
+    return gemm_type(t);
+#else
+    (void)t;
+    return 0;
 #endif
 }
 

@@ -82,10 +82,11 @@ typedef __m256 vf_t;
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 
-/* 16 weight rows of a K-quant, packed per superblock sb:
- *   T[sb][quad q][lane n] 4 bytes: u of values 4q .. 4q + 3 of row n
- *   SC[sb][g][n] int32: sc of group g (16 values);  MN[sb][j][n] 2 x int16: mn of groups 2j, 2j + 1
- *   D[sb][n], DM[sb][n]: d and dmin */
+/* 16 weight rows, packed:
+ *   T[quad q][lane n] 4 bytes: u of values 4q .. 4q + 3 of row n (q over the whole row)
+ *   K-quants, per superblock sb: SC[sb][g][n] int32, sc of group g (16 values); MN[sb][j][n] 2 x int16, mn of
+ *   groups 2j and 2j + 1; D[sb][n], DM[sb][n]: d and dmin
+ *   32-blocks, per block b: D[b][n] d and DM[b][n] the coefficient o of the block's sum of x */
 typedef struct {
     uint8_t *T;
     int32_t *SC;
@@ -93,14 +94,14 @@ typedef struct {
     float *D, *DM;
 } ktile;
 
-#define KTILE_BYTES_PER_SB (4096 + 1024 + 1024 + 64 + 64)
+#define KTILE_BYTES(K) (26 * (size_t)(K))
 
-static void ktile_at(ktile *kt, char *mem, int64_t nsb) { /* mem: 64-byte aligned, nsb * KTILE_BYTES_PER_SB */
+static void ktile_at(ktile *kt, char *mem, int64_t K) { /* mem: 64-byte aligned, KTILE_BYTES(K) */
     kt->T = (uint8_t *)mem;
-    kt->SC = (int32_t *)(mem + nsb * 4096);
-    kt->MN = (int16_t *)(mem + nsb * (4096 + 1024));
-    kt->D = (float *)(mem + nsb * (4096 + 2048));
-    kt->DM = kt->D + nsb * 16;
+    kt->SC = (int32_t *)(mem + 16 * K);
+    kt->MN = (int16_t *)(mem + 20 * K);
+    kt->D = (float *)(mem + 22 * K);
+    kt->DM = (float *)(mem + 24 * K);
 }
 
 /* v[c] lane n = v[n] lane c (a VL x VL transpose of 32-bit lanes) */
@@ -147,24 +148,30 @@ static inline void transpose_lanes(vi_t v[VL]) {
 }
 
 /* Decodes rows w, w + row_bytes, ... (16 of them) of type t into r[0..15] (drows `stride` bytes apart, fields
- * at the same offsets) and packs them into kt, each packed vector gathered from the 16 decoded rows. */
-static void pack_ktile(int t, const uint8_t *w, int64_t row_bytes, int64_t K, const drow *r, int64_t stride,
-                       ktile *kt) {
-    const int64_t nsb = K / 256;
+ * at the same offsets) and packs them into kt: VL x VL transposes for the values, gathers for the rest. */
+static void pack_tile(int t, const uint8_t *w, int64_t row_bytes, int64_t K, const drow *r, int64_t stride,
+                      ktile *kt) {
     for (int n = 0; n < 16; n++) decode_row(t, w + n * row_bytes, K, (drow *)r + n);
     int32_t off[16];
     for (int n = 0; n < 16; n++) off[n] = (int32_t)(n * stride);
     for (int h = 0; h < 16 / VL; h++) { /* lanes VL h .. VL h + VL - 1 */
         const vi_t idx = VI_LOAD(off + VL * h);
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *u = r->u + sb * 256;
-            uint8_t *T = kt->T + sb * 4096 + 4 * VL * h;
-            for (int q0 = 0; q0 < 64; q0 += VL) { /* quads q0 .. q0 + VL - 1 of VL rows: a VL x VL transpose */
-                vi_t v[VL];
-                for (int n = 0; n < VL; n++) v[n] = VI_LOAD(u + (VL * h + n) * stride + 4 * q0);
-                transpose_lanes(v);
-                for (int c = 0; c < VL; c++) VI_STORE(T + 64 * (q0 + c), v[c]);
+        for (int64_t q0 = 0; q0 < K / 4; q0 += VL) { /* quads q0 .. q0 + VL - 1; K is a multiple of 32, so the
+                                                        * last VL may reach 8 quads past the row (into its padding) */
+            vi_t v[VL];
+            for (int n = 0; n < VL; n++) v[n] = VI_LOAD(r->u + (VL * h + n) * stride + 4 * q0);
+            transpose_lanes(v);
+            const int nc = K / 4 - q0 < VL ? (int)(K / 4 - q0) : VL;
+            for (int c = 0; c < nc; c++) VI_STORE(kt->T + 64 * (q0 + c) + 4 * VL * h, v[c]);
+        }
+        if (family(t) == FAM_32) {
+            for (int64_t b = 0; b < K / 32; b++) {
+                VF_STORE(kt->D + b * 16 + VL * h, VF_GATHER(r->d + b, idx));
+                VF_STORE(kt->DM + b * 16 + VL * h, VF_GATHER(r->dm + b, idx));
             }
+            continue;
+        }
+        for (int64_t sb = 0; sb < K / 256; sb++) {
             for (int g = 0; g < 16; g++) { /* sce[g * 8] (int16) widened to int32 */
                 const vi_t v = VI_GATHER(r->sce + sb * 128 + g * 8, idx);
                 VI_STORE(kt->SC + (sb * 16 + g) * 16 + VL * h, VI_SRAI16(VI_SLLI16(v)));
@@ -209,7 +216,7 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
             for (int qq = 0; qq < 4 * GS; qq++) {
                 const int q = 4 * g + qq;
                 vi_t w[2];
-                for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + sb * 4096 + 64 * q + 4 * L[v]);
+                for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + 64 * (sb * 64 + q) + 4 * L[v]);
                 for (int m = 0; m < R; m++) {
                     const vi_t xv = bcast4(x + m * K + 4 * q);
                     for (int v = 0; v < NV; v++) I[m][v] = VDP_U8(I[m][v], w[v], xv);
@@ -244,23 +251,76 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
         for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
 }
 
+/* gemm_k_rows for a 32-block type: per block b, I = sum of u * x (8 quads), acc = fma(I, d dx, acc) and
+ * acc = fma(o, dx * sum(xq), acc): xd and xs [R][nb]. */
+static inline __attribute__((always_inline)) void gemm_32_rows(const int R, const int NV, const ktile *kt,
+                                                               const int64_t nb, const int8_t *xq, const int64_t K,
+                                                               const float *xd, const float *xs,
+                                                               vf_t out[GEMM_MR][2]) {
+    const ktile *tv[2];
+    int L[2];
+    for (int v = 0; v < NV; v++) { tv[v] = kt + (VL == 16 ? v : 0); L[v] = VL == 16 ? 0 : VL * v; }
+    vf_t acc[GEMM_MR][2];
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        vi_t I[GEMM_MR][2];
+        for (int m = 0; m < R; m++)
+            for (int v = 0; v < NV; v++) I[m][v] = VI_ZERO();
+#pragma GCC unroll 8
+        for (int qq = 0; qq < 8; qq++) {
+            const int64_t q = 8 * b + qq;
+            vi_t w[2];
+            for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + 64 * q + 4 * L[v]);
+            for (int m = 0; m < R; m++) {
+                const vi_t xv = bcast4(xq + m * K + 4 * q);
+                for (int v = 0; v < NV; v++) I[m][v] = VDP_U8(I[m][v], w[v], xv);
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const vf_t D = VF_LOAD(tv[v]->D + b * 16 + L[v]), O = VF_LOAD(tv[v]->DM + b * 16 + L[v]);
+            for (int m = 0; m < R; m++) {
+                acc[m][v] = VF_FMA(VF_CVT(I[m][v]), VF_MUL(D, VF_SET1(xd[m * nb + b])), acc[m][v]);
+                acc[m][v] = VF_FMA(O, VF_SET1(xs[m * nb + b]), acc[m][v]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+}
+
+/* The activations as gq_gemm quantizes them: int8 per row [M][K]; per 256 (K-quants) d and the sums of each
+ * 16; per 32 (32-blocks) d and d * sum. */
+typedef struct {
+    const int8_t *qk, *q32;
+    const float *dk, *d32, *s32;
+    const int16_t *bk;
+} gemm_x;
+
+/* Whether this build's gemm multiplies type t: the K-quants, the 32-blocks (Q8_0, whose u reach 255, only
+ * with VNNI: vpmaddubsw's pair sums would saturate). */
+static int gemm_type(int t) { return family(t) == FAM_K || (family(t) == FAM_32 && (t != Q8_0 || GQ_VNNI)); }
+
 /* All M rows against `tiles` packed tiles of 16 outputs (TILES_PER_PASS at most); y row-major [M, N];
  * cols[n]: the output column of output n (16 per tile); contiguous: cols[0] .. cols[0] + 16 tiles - 1. */
-static void gemm_k_tiles(int t, int tiles, const ktile *kt, int64_t nsb, int64_t M, const int8_t *xq, int64_t K,
-                         const float *xd, const int16_t *xb, const float *bias, const int64_t *cols, int contiguous,
-                         float *y, int64_t N) {
-    const int gs = (t == Q4_K || t == Q5_K) ? 2 : 1, nv = 16 * tiles / VL;
+static void gemm_tiles(int t, int tiles, const ktile *kt, int64_t M, const gemm_x *X, int64_t K,
+                       const float *bias, const int64_t *cols, int contiguous, float *y, int64_t N) {
+    const int gs = (t == Q4_K || t == Q5_K) ? 2 : 1, nv = 16 * tiles / VL, k = family(t) == FAM_K;
+    const int64_t nsb = K / 256, nb = K / 32;
     float bv[32] = {0};
     if (bias)
         for (int n = 0; n < 16 * tiles; n++) bv[n] = bias[cols[n]];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
         const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
         vf_t out[GEMM_MR][2];
-        const int8_t *x = xq + m0 * K;
-        const float *d = xd + m0 * nsb;
-        const int16_t *s = xb + m0 * (K / 16);
-#define GEMM_GS(R, V) if (gs == 2) gemm_k_rows(R, V, 2, kt, nsb, x, K, d, s, out); else gemm_k_rows(R, V, 1, kt, nsb, x, K, d, s, out);
-#define GEMM_CASE(R) if (nv == 2) { GEMM_GS(R, 2) } else { GEMM_GS(R, 1) }
+        const int8_t *xk = X->qk + m0 * K, *x32 = X->q32 + m0 * K;
+        const float *dk = X->dk + m0 * nsb, *d32 = X->d32 + m0 * nb, *s32 = X->s32 + m0 * nb;
+        const int16_t *bk = X->bk + m0 * (K / 16);
+#define GEMM_V(R, V)                                                                                          \
+    if (!k) gemm_32_rows(R, V, kt, nb, x32, K, d32, s32, out);                                                \
+    else if (gs == 2) gemm_k_rows(R, V, 2, kt, nsb, xk, K, dk, bk, out);                                       \
+    else gemm_k_rows(R, V, 1, kt, nsb, xk, K, dk, bk, out);
+#define GEMM_CASE(R) if (nv == 2) { GEMM_V(R, 2) } else { GEMM_V(R, 1) }
         switch (mc) {
         case 1: GEMM_CASE(1); break;
 #if GEMM_MR > 2
@@ -270,7 +330,7 @@ static void gemm_k_tiles(int t, int tiles, const ktile *kt, int64_t nsb, int64_t
         default: GEMM_CASE(GEMM_MR); break;
         }
 #undef GEMM_CASE
-#undef GEMM_GS
+#undef GEMM_V
         for (int m = 0; m < mc; m++) {
             float *yr = y + (m0 + m) * N, o[32];
             for (int v = 0; v < nv; v++) VF_STORE(o + VL * v, VF_ADD(out[m][v], VF_LOAD(bv + VL * v)));

@@ -141,6 +141,8 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
     lib.gq_matmul.restype = i32
     lib.gq_gemm.argtypes = [p, i32, p, i64, i64, p, p, i64, i32]
     lib.gq_gemm.restype = i32
+    lib.gq_gemm_type.argtypes = [i32]
+    lib.gq_gemm_type.restype = i32
     lib.gq_dequant_rows.argtypes = [i32, p, i64, i64, p, i64, p]
     lib.gq_dequant_rows.restype = i32
     lib.gq_dequant_range.argtypes = [i32, p, i64, i64, i64, i64, p, i32, i32]

@@ -130,8 +130,8 @@ class GGMLLinear(QLinear):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
         self._table = table
-        # gq_gemm's parts: K-quants of whole 16-row tiles
-        self._gemm = all(GGML_QUANT_SIZES[GGMLQuantizationType(p.qtype)][0] == 256 and p.rows % 16 == 0 for p in parts)
+        # gq_gemm's parts: whole 16-row tiles of a type it multiplies here
+        self._gemm = all(self._lib.gq_gemm_type(p.qtype) and p.rows % 16 == 0 for p in parts)
 
     def extra_repr(self) -> str:
         kinds = "+".join(GGMLQuantizationType(p.qtype).name for p in self.parts)
