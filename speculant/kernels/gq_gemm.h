@@ -26,7 +26,6 @@
 typedef __m512i vi_t;
 typedef __m512 vf_t;
 #define VL 16
-#define GEMM_MR 4
 #define VI_ZERO() _mm512_setzero_si512()
 #define VF_ZERO() _mm512_setzero_ps()
 #define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
@@ -52,7 +51,6 @@ typedef __m512 vf_t;
 typedef __m256i vi_t;
 typedef __m256 vf_t;
 #define VL 8
-#define GEMM_MR 2 /* 16 ymm registers: 2 rows x 2 vectors x (chain, sum, accumulator) and the weights */
 #define VI_ZERO() _mm256_setzero_si256()
 #define VF_ZERO() _mm256_setzero_ps()
 #define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -81,6 +79,10 @@ typedef __m256 vf_t;
 #define VI_SRAI16(v) _mm256_srai_epi32(v, 16)
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
+/* activation rows per pass: 4 x 2 vectors = 8 chains. The 256-bit builds' 16 ymm registers hold them with
+ * spills, still the fastest: linears of 2 layers at M = 256 (/tmp/gemm_t.py), AVX-VNNI build, 2 / 3 / 4 rows:
+ * 96.4 / 75.2 / 74.4 ms; AVX2 142.5 / 142.3 / 135.8 (AVX-512: 6 or 8 rows no faster than 4) */
+#define GEMM_MR 4
 
 /* 16 weight rows, packed:
  *   T[quad q][lane n] 4 bytes: u of values 4q .. 4q + 3 of row n (q over the whole row)
@@ -323,11 +325,9 @@ static void gemm_tiles(int t, int tiles, const ktile *kt, int64_t M, const gemm_
 #define GEMM_CASE(R) if (nv == 2) { GEMM_V(R, 2) } else { GEMM_V(R, 1) }
         switch (mc) {
         case 1: GEMM_CASE(1); break;
-#if GEMM_MR > 2
         case 2: GEMM_CASE(2); break;
         case 3: GEMM_CASE(3); break;
-#endif
-        default: GEMM_CASE(GEMM_MR); break;
+        default: GEMM_CASE(4); break;
         }
 #undef GEMM_CASE
 #undef GEMM_V
