@@ -34,7 +34,8 @@
  *  gq_dot_k.h    canonical float reductions; K-quant dot products, decoded and from raw superblocks
  *  gq_dot_32.h   32-block and float dot products, decoded and from raw blocks
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
- *  gq_gemm.h     prompt passes of K-quants on AVX512-VNNI builds (an output per lane)
+ *  gq_gemm.h     prompt passes of the block types (an output per lane)
+ *  gq_packed.h   Q4_K repacked at load, 16 rows per tile (an output per lane), for every pass
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
 #include "gq_decode.h"
@@ -42,6 +43,7 @@
 #include "gq_dot_32.h"
 #include "gq_dequant.h"
 #include "gq_gemm.h"
+#include "gq_packed.h"
 
 int gq_supported(int t) { return family(t) >= 0; }
 int gq_block_bytes(int t) { return block_bytes(t); }
@@ -86,6 +88,7 @@ typedef struct {
     int64_t n;             /* rows of this part */
     int64_t row_bytes;
     const int32_t *perm;   /* or NULL: row r of the part goes to output column offset + perm[r] */
+    const uint8_t *packed; /* or NULL: the rows repacked by gq_pack_q4k (gq_packed.h), which every pass reads */
 } gq_part;
 
 #define ROW_SWITCH(mc, BODY)                                                                        \
@@ -111,11 +114,11 @@ static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63
 typedef struct {
     int8_t *q32, *qk;
     float *d32, *s32, *dk;
-    int16_t *bk;
+    int16_t *bk, *b32k; /* K-quants: sums of each 16 and of each 32 */
 } xquant;
 
 static void xquant_free(xquant *X) {
-    free(X->q32); free(X->d32); free(X->s32); free(X->qk); free(X->dk); free(X->bk);
+    free(X->q32); free(X->d32); free(X->s32); free(X->qk); free(X->dk); free(X->bk); free(X->b32k);
 }
 
 /* Returns 0, or -1 out of memory (X freed). */
@@ -130,8 +133,9 @@ static int xquant_alloc(xquant *X, int64_t M, int64_t K, int need32, int needk) 
         X->qk = alloc64(M * K + 64);
         X->dk = malloc(sizeof(float) * (M * (K / 256) + 1));
         X->bk = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
+        X->b32k = alloc64(sizeof(int16_t) * (M * (K / 32) + 32));
     }
-    if ((need32 && (!X->q32 || !X->d32 || !X->s32)) || (needk && (!X->qk || !X->dk || !X->bk))) {
+    if ((need32 && (!X->q32 || !X->d32 || !X->s32)) || (needk && (!X->qk || !X->dk || !X->bk || !X->b32k))) {
         xquant_free(X);
         return -1;
     }
@@ -147,8 +151,27 @@ static void xquant_fill(const xquant *X, const float *x, int64_t M, int64_t K) {
     }
     if (X->qk) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * (K / 256); i++)
+        for (int64_t i = 0; i < M * (K / 256); i++) {
             quantize_block(x + i * 256, 256, X->qk + i * 256, X->dk + i, X->bk + i * 16, NULL);
+            for (int j = 0; j < 8; j++) X->b32k[i * 8 + j] = (int16_t)(X->bk[i * 16 + 2 * j] + X->bk[i * 16 + 2 * j + 1]);
+        }
+    }
+}
+
+/* Tile i of the packed parts (counted over the packed parts in order), all M rows, into y. */
+static void packed_part_tile(const gq_part *parts, int nparts, int64_t i, int64_t M, const xquant *X, int64_t K,
+                             const float *bias, float *y, int64_t N) {
+    int64_t off = 0;
+    for (int p = 0; p < nparts; p++) {
+        const gq_part *P = parts + p;
+        if (P->packed && i < P->n / 16) {
+            int64_t cols[16];
+            for (int n = 0; n < 16; n++) cols[n] = off + (P->perm ? P->perm[16 * i + n] : 16 * i + n);
+            packed_tile(P->packed + i * (K / 256) * PACK_SB_BYTES, K / 256, M, X->qk, K, X->dk, X->b32k, bias, cols, y, N);
+            return;
+        }
+        if (P->packed) i -= P->n / 16;
+        off += P->n;
     }
 }
 
@@ -185,12 +208,17 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
     const int8_t *xq32 = X.q32, *xqk = X.qk;
     const float *xd32 = X.d32, *xs32 = X.s32, *xdk = X.dk;
     const int16_t *xbk = X.bk;
+    int64_t ptiles = 0; /* 16-row tiles of packed parts, taken before the other rows */
+    for (int p = 0; p < nparts; p++) ptiles += parts[p].packed ? parts[p].n / 16 : 0;
     if (nthreads < 1) nthreads = 1;
     if (N * K < (1 << 16)) nthreads = 1; /* not worth waking other threads */
 
 #pragma omp parallel num_threads(nthreads)
     {
         xquant_fill(&X, x, M, K);
+#pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < ptiles; i++)
+            packed_part_tile(parts, nparts, i, M, &X, K, bias, y, N);
         /* one decoded row per thread: u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K] */
         const size_t bytes = (size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16) + 2 * sizeof(float) * (K / 32) +
                              sizeof(float) * K + 256;
@@ -208,12 +236,13 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
             rc = -1;
         }
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < N; g++) {
+        for (int64_t g = 0; g < (16 * ptiles < N ? N : 0); g++) { /* the rows of the other parts */
             if (!mem) continue;
             int p = 0;
             int64_t off = 0;
             while (g - off >= parts[p].n) off += parts[p++].n;
             const gq_part *P = parts + p;
+            if (P->packed) continue;
             const int64_t rr = g - off;
             const int t = P->type, fam = family(t);
             const uint8_t *wrow = P->w + rr * P->row_bytes;
@@ -359,6 +388,12 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             const int tiles = P->n - r0 >= rows ? TILES_PER_PASS : 1;
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
+            if (P->packed) { /* repacked at load: multiplied in place */
+                for (int v = 0; v < tiles; v++)
+                    packed_tile(P->packed + (r0 / 16 + v) * (K / 256) * PACK_SB_BYTES, K / 256, M, X.qk, K, X.dk, X.b32k,
+                                bias, cols + 16 * v, y, N);
+                continue;
+            }
             for (int v = 0; v < tiles; v++)
                 pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             gemm_tiles(P->type, tiles, kt, M, &gx, K, bias, cols, !P->perm, y, N);
@@ -381,6 +416,16 @@ int gq_gemm_type(int t) {
     (void)t;
     return 0;
 #endif
+}
+
+/* out[(n / 16) * (K / 256) * PACK_SB_BYTES] = the n rows (a multiple of 16) of a Q4_K tensor w, repacked
+ * (gq_packed.h). Returns 0, or -3 where n or K do not fit. */
+int gq_pack_q4k(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t K, uint8_t *out, int nthreads) {
+    if (n % 16 || K % 256 || row_bytes != K / 256 * 144) return -3;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < n / 16; t++) pack_q4k_tiles(w, row_bytes, K, t, t + 1, out);
+    return 0;
 }
 
 /* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */

@@ -1,0 +1,175 @@
+/* Q4_K repacked at load: 16 weight rows per tile, one output per lane, for every pass (1..any rows).
+ * Part of gq.c, included once into its one translation unit, after gq_gemm.h (its vector macros).
+ *
+ * The file's row-major blocks make each output a horizontal reduction (gq_dot_k.h: 16 lanes per output, a
+ * decode of every superblock per row); with 16 rows interleaved, one vpdpbusd multiplies 4 values of 16
+ * outputs, the unpacking of a superblock is shared by the 16 outputs and by every activation row, and a row
+ * costs ~1/3 of the instructions. The nibbles stay nibbles (2560 bytes per 16 rows x 256 values against the
+ * file's 2304), so a decode step still reads about the file's bytes. C harness on an AMD EPYC (AVX-512, 2
+ * threads, a 32768x1536 Q4_K matrix streamed from memory; /work/notes/nibble_q4k_harness.c), ms at M = 1 /
+ * 2 / 3 / 4 / 8: file blocks 0.571 / 0.636 / 0.762 / 0.922 / 1.627, packed 0.402 / 0.418 / 0.439 / 0.496 /
+ * 0.861.
+ *
+ * Canonical form of a packed Q4_K output (n, m), the same in every build and for every row count: per
+ * superblock the exact integers S = sum over sub-blocks j of sc[j] * (sum of u * x over j) and
+ * Mn = sum over j of mn[j] * B32[j] (B32: the sum of x over sub-block j), then
+ *   acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc)   (superblock order; y = acc + bias).
+ *
+ * Tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n holding
+ * u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2] int16
+ * (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] float. Tile t's superblocks follow each other. */
+#ifndef SPECULANT_GQ_PACKED_H
+#define SPECULANT_GQ_PACKED_H
+
+#define PACK_SB_BYTES 2560
+#define PK_SC 2048
+#define PK_MN 2176
+#define PK_D 2432
+#define PK_DM 2496
+
+/* Repacks rows 16t .. 16t + 15 of a Q4_K tensor w (row_bytes apart) for t in [t0, t1). */
+static void pack_q4k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
+    const int64_t nsb = K / 256;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t *o = out + (t * nsb + sb) * PACK_SB_BYTES;
+            for (int n = 0; n < 16; n++) {
+                const uint8_t *b = w + (16 * t + n) * row_bytes + sb * 144;
+                uint8_t sc[8], m[8], u[256];
+                q4k_scales(b + 4, sc, m);
+                for (int j = 0; j < 4; j++) /* value 64 j + l: low nibble of qs[32 j + l]; 64 j + 32 + l: high */
+                    for (int l = 0; l < 32; l++) {
+                        u[64 * j + l] = b[16 + 32 * j + l] & 15;
+                        u[64 * j + 32 + l] = b[16 + 32 * j + l] >> 4;
+                    }
+                for (int g = 0; g < 32; g++)
+                    for (int i = 0; i < 4; i++) o[64 * g + 4 * n + i] = (uint8_t)(u[4 * g + i] | (u[128 + 4 * g + i] << 4));
+                for (int j = 0; j < 8; j++) o[PK_SC + 16 * j + n] = sc[j];
+                for (int p = 0; p < 4; p++) {
+                    const int16_t pair[2] = {m[2 * p], m[2 * p + 1]};
+                    memcpy(o + PK_MN + 64 * p + 4 * n, pair, 4);
+                }
+                const float d = rdh(b), dm = rdh(b + 2);
+                memcpy(o + PK_D + 4 * n, &d, 4);
+                memcpy(o + PK_DM + 4 * n, &dm, 4);
+            }
+        }
+}
+
+#if GQ_AVX2
+/* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
+static inline __attribute__((always_inline)) void packed_rows(const int R, const uint8_t *tile, const int64_t nsb,
+                                                              const int8_t *xq, const int64_t K, const float *xd,
+                                                              const int16_t *b32, vf_t out[GEMM_MR][2]) {
+    const int NV = 16 / VL;
+    vf_t acc[GEMM_MR][2];
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *o = tile + sb * PACK_SB_BYTES;
+        for (int l = 0; l < PACK_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
+        vi_t S[GEMM_MR][2];
+        for (int m = 0; m < R; m++)
+            for (int v = 0; v < NV; v++) S[m][v] = VI_ZERO();
+        const int8_t *x = xq + sb * 256;
+        for (int j = 0; j < 4; j++) { /* sub-blocks j (low nibbles) and j + 4 (high) */
+            vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2];
+            for (int m = 0; m < R; m++)
+                for (int v = 0; v < NV; v++) Il[m][v] = Ih[m][v] = VI_ZERO();
+#pragma GCC unroll 8
+            for (int g = 8 * j; g < 8 * j + 8; g++) {
+                vi_t wl[2], wh[2];
+                for (int v = 0; v < NV; v++) {
+                    const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);
+                    wl[v] = VI_AND(q, lo4);
+                    wh[v] = VI_AND(VI_SRLI16(q, 4), lo4);
+                }
+                for (int m = 0; m < R; m++) {
+                    const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
+                    for (int v = 0; v < NV; v++) {
+                        Il[m][v] = VDP_U8(Il[m][v], wl[v], xl);
+                        Ih[m][v] = VDP_U8(Ih[m][v], wh[v], xh);
+                    }
+                }
+            }
+            for (int v = 0; v < NV; v++) {
+                const vi_t scl = VI_U8_32(o + PK_SC + 16 * j + VL * v), sch = VI_U8_32(o + PK_SC + 16 * (j + 4) + VL * v);
+                for (int m = 0; m < R; m++)
+                    S[m][v] = VI_ADD(S[m][v], VI_ADD(VI_MULLO(Il[m][v], scl), VI_MULLO(Ih[m][v], sch)));
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const vf_t D = VF_LOAD((const float *)(o + PK_D) + VL * v), DM = VF_LOAD((const float *)(o + PK_DM) + VL * v);
+            for (int m = 0; m < R; m++) {
+                vi_t Mn = VI_ZERO();
+                for (int p = 0; p < 4; p++)
+                    Mn = VDP_I16(Mn, VI_LOAD(o + PK_MN + 64 * p + 4 * VL * v), bcast4(b32 + m * (K / 32) + sb * 8 + 2 * p));
+                const vf_t dx = VF_SET1(xd[m * nsb + sb]);
+                acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
+                acc[m][v] = VF_FNMA(VF_CVT(Mn), VF_MUL(DM, dx), acc[m][v]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+}
+#endif
+
+/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile and all M rows. */
+static void packed_tile(const uint8_t *tile, int64_t nsb, int64_t M, const int8_t *xq, int64_t K, const float *xd,
+                        const int16_t *b32, const float *bias, const int64_t cols[16], float *y, int64_t N) {
+#if GQ_AVX2
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+        const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
+        vf_t out[GEMM_MR][2];
+        const int8_t *x = xq + m0 * K;
+        const float *d = xd + m0 * nsb;
+        const int16_t *s = b32 + m0 * (K / 32);
+        switch (mc) {
+        case 1: packed_rows(1, tile, nsb, x, K, d, s, out); break;
+        case 2: packed_rows(2, tile, nsb, x, K, d, s, out); break;
+        case 3: packed_rows(3, tile, nsb, x, K, d, s, out); break;
+        default: packed_rows(4, tile, nsb, x, K, d, s, out); break;
+        }
+        for (int m = 0; m < mc; m++) {
+            float o[16];
+            for (int v = 0; v < 16 / VL; v++) VF_STORE(o + VL * v, out[m][v]);
+            for (int n = 0; n < 16; n++) y[(m0 + m) * N + cols[n]] = bias ? o[n] + bias[cols[n]] : o[n];
+        }
+    }
+#else /* the same integers and float operations, one lane at a time */
+    for (int64_t m = 0; m < M; m++)
+        for (int n = 0; n < 16; n++) {
+            float acc = 0.0f;
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *o = tile + sb * PACK_SB_BYTES;
+                const int8_t *x = xq + m * K + sb * 256;
+                int32_t S = 0, Mn = 0;
+                for (int j = 0; j < 8; j++) {
+                    int32_t I = 0;
+                    for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
+                        for (int i = 0; i < 4; i++) {
+                            const uint8_t q = o[64 * g + 4 * n + i];
+                            I += (int32_t)(j < 4 ? q & 15 : q >> 4) * x[(j < 4 ? 0 : 128) + 4 * g + i];
+                        }
+                    S += (int32_t)o[PK_SC + 16 * j + n] * I;
+                }
+                for (int p = 0; p < 4; p++) {
+                    int16_t pair[2];
+                    memcpy(pair, o + PK_MN + 64 * p + 4 * n, 4);
+                    Mn += pair[0] * b32[m * (K / 32) + sb * 8 + 2 * p] + pair[1] * b32[m * (K / 32) + sb * 8 + 2 * p + 1];
+                }
+                float d, dm;
+                memcpy(&d, o + PK_D + 4 * n, 4);
+                memcpy(&dm, o + PK_DM + 4 * n, 4);
+                const float dx = xd[m * nsb + sb];
+                acc = fmaf((float)S, d * dx, acc);
+                acc = fmaf(-(float)Mn, dm * dx, acc);
+            }
+            y[m * N + cols[n]] = bias ? acc + bias[cols[n]] : acc;
+        }
+#endif
+}
+
+#endif /* SPECULANT_GQ_PACKED_H */
