@@ -27,6 +27,9 @@
  *    lane (b & 1) * 8 + j: acc = fma(sum of u*x over values 32b + 4j .. 4j + 3, d * dx, acc);
  *    t = fma(o, dx * sum(xq), t) in block order; y = hsum16(acc) + t
  *  F32/F16/BF16 (activations stay float): acc[e % 16] = fma(w[e], x[e], acc[e % 16]); y = hsum16(acc)
+ *  Q4_K parts repacked at load (gq_part.packed, gq_packed.h), one output per lane: per superblock the exact
+ *    S = sum of sc[j] * (sum of u*x over sub-block j) and Mn = sum of mn[j] * (sum of x over j), then
+ *    acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc) in superblock order; y = acc
  */
 /* The parts, each included once into this one translation unit (so every helper stays static and inlined):
  *  gq_types.h    block types, the build's instruction sets, fp16 reads, prefetching
