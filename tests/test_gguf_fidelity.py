@@ -8,8 +8,8 @@ The thresholds are llama.cpp's level on the same positions. Measured on an AMD E
 `llama-perplexity -c 512 --kl-divergence` (native build) with the base logits of an F32 copy made by
 `llama-quantize --allow-requantize FILE F32`, over 4 chunks (1,020 positions): mean KL 0.00140, top-1
 agreement 98.7%. speculant, same 4 chunks: mean KL 0.00138, top-1 98.0%; on the 2 chunks scored here
-(510 positions): mean KL 0.00130, top-1 98.04% (0.00140 and 97.84% since Q4_K is repacked: one float step
-per superblock instead of 16 lanes, other roundings at a few near-ties). Mean KL is held to 1.5x llama.cpp's, top-1 to within
+(510 positions): mean KL 0.00130, top-1 98.04% (0.00122 and 97.84% since Q4_K and Q6_K are repacked: one
+float step per superblock instead of 16 lanes, other roundings at a few near-ties). Mean KL is held to 1.5x llama.cpp's, top-1 to within
 1 point of it (about two standard errors at 510 positions; the float32 reference's own rounding differs
 between CPUs, so near-ties may flip a position or two).
 """

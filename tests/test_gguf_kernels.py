@@ -71,7 +71,7 @@ def builds() -> list[tuple[str, ctypes.CDLL]]:
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_each_type_matches_a_float64_reference(t):
-    N, K = 32, 512  # 32 rows: Q4_K repacked (gq_packed.h)
+    N, K = 32, 512  # 32 rows: Q4_K and Q6_K repacked (gq_packed.h)
     data = random_blocks(t, N, K, seed=int(t))
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
     ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, data, K)).double().T
@@ -138,7 +138,7 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
     on how many rows share the call, the thread count, or the instruction set it was built for."""
     K = 768
     parts = [Part(int(t), random_blocks(t, n, K, seed=7 + i)) for i, (t, n) in
-             enumerate([(T.Q4_K, 19), (T.Q4_K, 32), (T.Q6_K, 8), (T.Q8_0, 5), (T.Q5_0, 3), (T.Q4_1, 2), (T.F16, 3), (T.Q3_K, 2),
+             enumerate([(T.Q4_K, 19), (T.Q4_K, 32), (T.Q6_K, 8), (T.Q6_K, 16), (T.Q8_0, 5), (T.Q5_0, 3), (T.Q4_1, 2), (T.F16, 3), (T.Q3_K, 2),
                         (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1)])]
     x = torch.randn(32, K, generator=torch.Generator().manual_seed(3)) * 3
     bias = torch.randn(sum(p.rows for p in parts))

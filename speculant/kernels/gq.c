@@ -27,8 +27,8 @@
  *    lane (b & 1) * 8 + j: acc = fma(sum of u*x over values 32b + 4j .. 4j + 3, d * dx, acc);
  *    t = fma(o, dx * sum(xq), t) in block order; y = hsum16(acc) + t
  *  F32/F16/BF16 (activations stay float): acc[e % 16] = fma(w[e], x[e], acc[e % 16]); y = hsum16(acc)
- *  Q4_K parts repacked at load (gq_part.packed, gq_packed.h), one output per lane: per superblock the exact
- *    S = sum of sc[j] * (sum of u*x over sub-block j) and Mn = sum of mn[j] * (sum of x over j), then
+ *  Q4_K and Q6_K parts repacked at load (gq_part.packed, gq_packed.h), one output per lane: per superblock
+ *    the exact S = sum of sc * (sum of u*x) over sub-blocks and Mn = sum of mn * (sum of x) (Q6_K: 32 sc), then
  *    acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc) in superblock order; y = acc
  */
 /* The parts, each included once into this one translation unit (so every helper stays static and inlined):
@@ -38,7 +38,7 @@
  *  gq_dot_32.h   32-block and float dot products, decoded and from raw blocks
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
  *  gq_gemm.h     prompt passes of the block types (an output per lane)
- *  gq_packed.h   Q4_K repacked at load, 16 rows per tile (an output per lane), for every pass
+ *  gq_packed.h   Q4_K and Q6_K repacked at load, 16 rows per tile (an output per lane), for every pass
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
 #include "gq_decode.h"
@@ -91,7 +91,7 @@ typedef struct {
     int64_t n;             /* rows of this part */
     int64_t row_bytes;
     const int32_t *perm;   /* or NULL: row r of the part goes to output column offset + perm[r] */
-    const uint8_t *packed; /* or NULL: the rows repacked by gq_pack_q4k (gq_packed.h), which every pass reads */
+    const uint8_t *packed; /* or NULL: the rows repacked by gq_pack (gq_packed.h), which every pass reads */
 } gq_part;
 
 #define ROW_SWITCH(mc, BODY)                                                                        \
@@ -170,7 +170,8 @@ static void packed_part_tile(const gq_part *parts, int nparts, int64_t i, int64_
         if (P->packed && i < P->n / 16) {
             int64_t cols[16];
             for (int n = 0; n < 16; n++) cols[n] = off + (P->perm ? P->perm[16 * i + n] : 16 * i + n);
-            packed_tile(P->packed + i * (K / 256) * PACK_SB_BYTES, K / 256, M, X->qk, K, X->dk, X->b32k, bias, cols, y, N);
+            packed_tile(P->type, P->packed + i * (K / 256) * packed_sb_bytes(P->type), K / 256, M, X->qk, K, X->dk, X->bk,
+                        X->b32k, bias, cols, y, N);
             return;
         }
         if (P->packed) i -= P->n / 16;
@@ -391,14 +392,12 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             const int tiles = P->n - r0 >= rows ? TILES_PER_PASS : 1;
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
-            if (P->packed) { /* repacked at load: multiplied in place */
-                for (int v = 0; v < tiles; v++)
-                    packed_tile(P->packed + (r0 / 16 + v) * (K / 256) * PACK_SB_BYTES, K / 256, M, X.qk, K, X.dk, X.b32k,
-                                bias, cols + 16 * v, y, N);
-                continue;
+            for (int v = 0; v < tiles; v++) {
+                if (P->packed) /* repacked at load: only unpacked here */
+                    expand_packed(P->type, P->packed + (r0 / 16 + v) * (K / 256) * packed_sb_bytes(P->type), K, kt + v);
+                else
+                    pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             }
-            for (int v = 0; v < tiles; v++)
-                pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             gemm_tiles(P->type, tiles, kt, M, &gx, K, bias, cols, !P->perm, y, N);
         }
         free(mem);
@@ -421,15 +420,20 @@ int gq_gemm_type(int t) {
 #endif
 }
 
-/* out[(n / 16) * (K / 256) * PACK_SB_BYTES] = the n rows (a multiple of 16) of a Q4_K tensor w, repacked
- * (gq_packed.h). Returns 0, or -3 where n or K do not fit. */
-int gq_pack_q4k(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t K, uint8_t *out, int nthreads) {
-    if (n % 16 || K % 256 || row_bytes != K / 256 * 144) return -3;
+/* out[(n / 16) * (K / 256) * gq_packed_sb_bytes(t)] = the n rows (a multiple of 16) of a Q4_K or Q6_K
+ * tensor w, repacked (gq_packed.h). Returns 0, or -3 where the type, n or K do not fit. */
+int gq_pack(int t, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t K, uint8_t *out, int nthreads) {
+    if ((t != Q4_K && t != Q6_K) || n % 16 || K % 256 || row_bytes != K / 256 * block_bytes(t)) return -3;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < n / 16; t++) pack_q4k_tiles(w, row_bytes, K, t, t + 1, out);
+    for (int64_t i = 0; i < n / 16; i++) {
+        if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, i, i + 1, out);
+        else pack_q4k_tiles(w, row_bytes, K, i, i + 1, out);
+    }
     return 0;
 }
+
+int gq_packed_sb_bytes(int t) { return (int)packed_sb_bytes(t); }
 
 /* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */
 int gq_isa(void) { return GQ_512 ? 3 : GQ_VNNI ? 2 : GQ_AVX2 ? 1 : 0; }

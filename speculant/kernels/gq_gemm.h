@@ -50,6 +50,10 @@ typedef __m512 vf_t;
 #define VI_AND(a, b) _mm512_and_si512(a, b)
 #define VI_SRLI16(v, n) _mm512_srli_epi16(v, n)
 #define VI_U8_32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_I8_32(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_OR(a, b) _mm512_or_si512(a, b)
+#define VI_SLLI16B(v, n) _mm512_slli_epi16(v, n)
+#define VI_SLLI32(v, n) _mm512_slli_epi32(v, n)
 #else
 typedef __m256i vi_t;
 typedef __m256 vf_t;
@@ -83,6 +87,10 @@ typedef __m256 vf_t;
 #define VI_AND(a, b) _mm256_and_si256(a, b)
 #define VI_SRLI16(v, n) _mm256_srli_epi16(v, n)
 #define VI_U8_32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_I8_32(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_OR(a, b) _mm256_or_si256(a, b)
+#define VI_SLLI16B(v, n) _mm256_slli_epi16(v, n)
+#define VI_SLLI32(v, n) _mm256_slli_epi32(v, n)
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 /* activation rows per pass: 4 x 2 vectors = 8 chains. The 256-bit builds' 16 ymm registers hold them with

@@ -1,4 +1,4 @@
-/* Q4_K repacked at load: 16 weight rows per tile, one output per lane, for every pass (1..any rows).
+/* Q4_K and Q6_K repacked at load: 16 weight rows per tile, one output per lane, for every pass (1..any rows).
  * Part of gq.c, included once into its one translation unit, after gq_gemm.h (its vector macros).
  *
  * The file's row-major blocks make each output a horizontal reduction (gq_dot_k.h: 16 lanes per output, a
@@ -15,9 +15,16 @@
  * Mn = sum over j of mn[j] * B32[j] (B32: the sum of x over sub-block j), then
  *   acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc)   (superblock order; y = acc + bias).
  *
- * Tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n holding
- * u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2] int16
- * (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] float. Tile t's superblocks follow each other. */
+ * Q4_K tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n
+ * holding u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2]
+ * int16 (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] float. Tile t's superblocks follow each other.
+ *
+ * Q6_K (PACK6_SB_BYTES, 1% more than the file's): the low 4 bits of u = q + 32 as Q4_K's qs; qh[16 h][16 lanes]
+ * [4 bytes], byte i of hgroup h (< 8: values 16h + 4f + i, >= 8: 128 + 16(h - 8) + 4f + i, f = 0..3) holding
+ * their top 2 bits, f = 0 at bits 4-5, 1 at 6-7, 2 at 0-1, 3 at 2-3 (one shift and mask each puts them at
+ * bits 4-5); sc[16 groups][16] int8; d[16] float. Its canonical form: per superblock the exact
+ * S = sum of sc[g] * (sum of u*x over group g of 16) and Mn = 32 * sum of sc[g] * B16[g], then
+ *   acc = fma(S, d * dx, acc); acc = fma(-Mn, d * dx, acc). */
 #ifndef SPECULANT_GQ_PACKED_H
 #define SPECULANT_GQ_PACKED_H
 
@@ -26,6 +33,12 @@
 #define PK_MN 2176
 #define PK_D 2432
 #define PK_DM 2496
+#define PACK6_SB_BYTES 3392
+#define P6_QH 2048
+#define P6_SC 3072
+#define P6_D 3328
+
+static inline int64_t packed_sb_bytes(int t) { return t == Q6_K ? PACK6_SB_BYTES : PACK_SB_BYTES; }
 
 /* Repacks rows 16t .. 16t + 15 of a Q4_K tensor w (row_bytes apart) for t in [t0, t1). */
 static void pack_q4k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
@@ -52,6 +65,37 @@ static void pack_q4k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
                 const float d = rdh(b), dm = rdh(b + 2);
                 memcpy(o + PK_D + 4 * n, &d, 4);
                 memcpy(o + PK_DM + 4 * n, &dm, 4);
+            }
+        }
+}
+
+/* The same for Q6_K (the layout above). */
+static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
+    const int64_t nsb = K / 256;
+    static const int field_shift[4] = {4, 6, 0, 2};
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t *o = out + (t * nsb + sb) * PACK6_SB_BYTES;
+            memset(o + P6_QH, 0, 1024);
+            for (int n = 0; n < 16; n++) {
+                const uint8_t *b = w + (16 * t + n) * row_bytes + sb * 210, *ql = b, *qh = b + 128;
+                uint8_t u[256];
+                for (int a = 0; a < 2; a++) /* as decode_k */
+                    for (int h = 0; h < 2; h++)
+                        for (int j = 0; j < 2; j++)
+                            for (int l = 0; l < 32; l++)
+                                u[128 * a + 64 * h + 32 * j + l] = ((ql[64 * a + 32 * j + l] >> (4 * h)) & 0xf) |
+                                                                   (((qh[32 * a + l] >> (2 * (2 * h + j))) & 3) << 4);
+                for (int g = 0; g < 32; g++)
+                    for (int i = 0; i < 4; i++) {
+                        o[64 * g + 4 * n + i] = (uint8_t)((u[4 * g + i] & 15) | ((u[128 + 4 * g + i] & 15) << 4));
+                        const int f = g % 4, hl = g / 4, hh = 8 + g / 4;
+                        o[P6_QH + 64 * hl + 4 * n + i] |= (uint8_t)((u[4 * g + i] >> 4) << field_shift[f]);
+                        o[P6_QH + 64 * hh + 4 * n + i] |= (uint8_t)((u[128 + 4 * g + i] >> 4) << field_shift[f]);
+                    }
+                for (int g = 0; g < 16; g++) o[P6_SC + 16 * g + n] = b[192 + g];
+                const float d = rdh(b + 208);
+                memcpy(o + P6_D + 4 * n, &d, 4);
             }
         }
 }
@@ -114,24 +158,142 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
     for (int m = 0; m < R; m++)
         for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
 }
+
+/* u's top 2 bits of field f of a qh vector, at bits 4-5 of each byte */
+static inline vi_t q6_high(vi_t h, int f) {
+    const vi_t m = VI_SET1(0x30303030);
+    return VI_AND(f == 0 ? h : f == 1 ? VI_SRLI16(h, 2) : f == 2 ? VI_SLLI16B(h, 4) : VI_SLLI16B(h, 2), m);
+}
+
+/* packed_rows for Q6_K: b16 [R][K / 16] (sums of x per 16). */
+static inline __attribute__((always_inline)) void packed6_rows(const int R, const uint8_t *tile, const int64_t nsb,
+                                                               const int8_t *xq, const int64_t K, const float *xd,
+                                                               const int16_t *b16, vf_t out[GEMM_MR][2]) {
+    const int NV = 16 / VL;
+    vf_t acc[GEMM_MR][2];
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *o = tile + sb * PACK6_SB_BYTES;
+        for (int l = 0; l < PACK6_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
+        vi_t S[GEMM_MR][2], Mn[GEMM_MR][2];
+        for (int m = 0; m < R; m++)
+            for (int v = 0; v < NV; v++) S[m][v] = Mn[m][v] = VI_ZERO();
+        const int8_t *x = xq + sb * 256;
+        for (int s = 0; s < 8; s++) { /* groups s (values 16s ..) and 8 + s (128 + 16s ..) */
+            vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2], hl[2], hh[2];
+            for (int m = 0; m < R; m++)
+                for (int v = 0; v < NV; v++) Il[m][v] = Ih[m][v] = VI_ZERO();
+            for (int v = 0; v < NV; v++) {
+                hl[v] = VI_LOAD(o + P6_QH + 64 * s + 4 * VL * v);
+                hh[v] = VI_LOAD(o + P6_QH + 64 * (8 + s) + 4 * VL * v);
+            }
+#pragma GCC unroll 4
+            for (int f = 0; f < 4; f++) {
+                const int g = 4 * s + f;
+                vi_t wl[2], wh[2];
+                for (int v = 0; v < NV; v++) {
+                    const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);
+                    wl[v] = VI_OR(VI_AND(q, lo4), q6_high(hl[v], f));
+                    wh[v] = VI_OR(VI_AND(VI_SRLI16(q, 4), lo4), q6_high(hh[v], f));
+                }
+                for (int m = 0; m < R; m++) {
+                    const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
+                    for (int v = 0; v < NV; v++) {
+                        Il[m][v] = VDP_U8(Il[m][v], wl[v], xl);
+                        Ih[m][v] = VDP_U8(Ih[m][v], wh[v], xh);
+                    }
+                }
+            }
+            for (int v = 0; v < NV; v++) {
+                const vi_t scl = VI_I8_32(o + P6_SC + 16 * s + VL * v), sch = VI_I8_32(o + P6_SC + 16 * (8 + s) + VL * v);
+                for (int m = 0; m < R; m++) {
+                    const int16_t *bm = b16 + m * (K / 16) + sb * 16;
+                    S[m][v] = VI_ADD(S[m][v], VI_ADD(VI_MULLO(Il[m][v], scl), VI_MULLO(Ih[m][v], sch)));
+                    Mn[m][v] = VI_ADD(Mn[m][v], VI_ADD(VI_MULLO(scl, VI_SET1(bm[s])), VI_MULLO(sch, VI_SET1(bm[8 + s]))));
+                }
+            }
+        }
+        for (int v = 0; v < NV; v++) {
+            const vf_t D = VF_LOAD((const float *)(o + P6_D) + VL * v);
+            for (int m = 0; m < R; m++) {
+                const vf_t ddx = VF_MUL(D, VF_SET1(xd[m * nsb + sb]));
+                acc[m][v] = VF_FMA(VF_CVT(S[m][v]), ddx, acc[m][v]);
+                acc[m][v] = VF_FNMA(VF_CVT(VI_SLLI32(Mn[m][v], 5)), ddx, acc[m][v]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+}
 #endif
 
-/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile and all M rows. */
-static void packed_tile(const uint8_t *tile, int64_t nsb, int64_t M, const int8_t *xq, int64_t K, const float *xd,
-                        const int16_t *b32, const float *bias, const int64_t cols[16], float *y, int64_t N) {
+#if GQ_AVX2
+/* A packed Q4_K/Q6_K tile (16 rows, all superblocks) in gq_gemm.h's tile form, for prompt passes: their
+ * GEMM shares each broadcast activation between two tiles and multiplies unpacked bytes, which the packed
+ * kernel's nibble unpacking per activation row cannot match at hundreds of rows. */
+static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
+    const int64_t nsb = K / 256;
+    const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *o = pk + sb * packed_sb_bytes(t);
+        uint8_t *T = kt->T + sb * 4096;
+        for (int g = 0; g < 32; g++)
+            for (int v = 0; v < 16 / VL; v++) {
+                const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);
+                vi_t lo = VI_AND(q, lo4), hi = VI_AND(VI_SRLI16(q, 4), lo4);
+                if (t == Q6_K) {
+                    lo = VI_OR(lo, q6_high(VI_LOAD(o + P6_QH + 64 * (g / 4) + 4 * VL * v), g % 4));
+                    hi = VI_OR(hi, q6_high(VI_LOAD(o + P6_QH + 64 * (8 + g / 4) + 4 * VL * v), g % 4));
+                }
+                VI_STORE(T + 64 * g + 4 * VL * v, lo);
+                VI_STORE(T + 64 * (32 + g) + 4 * VL * v, hi);
+            }
+        for (int n = 0; n < 16; n++) {
+            for (int g = 0; g < 16; g++) { /* group g of 16 values: Q4_K's sub-block g / 2 */
+                int16_t sc, mn;
+                if (t == Q6_K) {
+                    sc = (int8_t)o[P6_SC + 16 * g + n];
+                    mn = (int16_t)(32 * sc);
+                } else {
+                    int16_t pair[2];
+                    memcpy(pair, o + PK_MN + 64 * (g / 4) + 4 * n, 4);
+                    sc = o[PK_SC + 16 * (g / 2) + n];
+                    mn = pair[(g / 2) % 2];
+                }
+                kt->SC[(sb * 16 + g) * 16 + n] = sc;
+                kt->MN[((sb * 8 + g / 2) * 16 + n) * 2 + (g & 1)] = mn;
+            }
+            memcpy(kt->D + sb * 16 + n, o + (t == Q6_K ? P6_D : PK_D) + 4 * n, 4);
+            memcpy(kt->DM + sb * 16 + n, o + (t == Q6_K ? P6_D : PK_DM) + 4 * n, 4);
+        }
+    }
+}
+#endif
+
+/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile of type t (Q4_K or Q6_K) and all M rows; b16, b32: the
+ * sums of x per 16 and per 32 [M][K / 16], [M][K / 32]. */
+static void packed_tile(int t, const uint8_t *tile, int64_t nsb, int64_t M, const int8_t *xq, int64_t K,
+                        const float *xd, const int16_t *b16, const int16_t *b32, const float *bias,
+                        const int64_t cols[16], float *y, int64_t N) {
 #if GQ_AVX2
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
         const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
         vf_t out[GEMM_MR][2];
         const int8_t *x = xq + m0 * K;
         const float *d = xd + m0 * nsb;
-        const int16_t *s = b32 + m0 * (K / 32);
+        const int16_t *s16 = b16 + m0 * (K / 16), *s32 = b32 + m0 * (K / 32);
+#define PACKED_CASE(R)                                                                                        \
+    if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
+    else packed_rows(R, tile, nsb, x, K, d, s32, out);
         switch (mc) {
-        case 1: packed_rows(1, tile, nsb, x, K, d, s, out); break;
-        case 2: packed_rows(2, tile, nsb, x, K, d, s, out); break;
-        case 3: packed_rows(3, tile, nsb, x, K, d, s, out); break;
-        default: packed_rows(4, tile, nsb, x, K, d, s, out); break;
+        case 1: PACKED_CASE(1); break;
+        case 2: PACKED_CASE(2); break;
+        case 3: PACKED_CASE(3); break;
+        default: PACKED_CASE(4); break;
         }
+#undef PACKED_CASE
         for (int m = 0; m < mc; m++) {
             float o[16];
             for (int v = 0; v < 16 / VL; v++) VF_STORE(o + VL * v, out[m][v]);
@@ -139,31 +301,52 @@ static void packed_tile(const uint8_t *tile, int64_t nsb, int64_t M, const int8_
         }
     }
 #else /* the same integers and float operations, one lane at a time */
+    const int sbb = (int)packed_sb_bytes(t);
     for (int64_t m = 0; m < M; m++)
         for (int n = 0; n < 16; n++) {
             float acc = 0.0f;
             for (int64_t sb = 0; sb < nsb; sb++) {
-                const uint8_t *o = tile + sb * PACK_SB_BYTES;
+                const uint8_t *o = tile + sb * sbb;
                 const int8_t *x = xq + m * K + sb * 256;
-                int32_t S = 0, Mn = 0;
-                for (int j = 0; j < 8; j++) {
-                    int32_t I = 0;
-                    for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
-                        for (int i = 0; i < 4; i++) {
-                            const uint8_t q = o[64 * g + 4 * n + i];
-                            I += (int32_t)(j < 4 ? q & 15 : q >> 4) * x[(j < 4 ? 0 : 128) + 4 * g + i];
-                        }
-                    S += (int32_t)o[PK_SC + 16 * j + n] * I;
-                }
-                for (int p = 0; p < 4; p++) {
-                    int16_t pair[2];
-                    memcpy(pair, o + PK_MN + 64 * p + 4 * n, 4);
-                    Mn += pair[0] * b32[m * (K / 32) + sb * 8 + 2 * p] + pair[1] * b32[m * (K / 32) + sb * 8 + 2 * p + 1];
-                }
-                float d, dm;
-                memcpy(&d, o + PK_D + 4 * n, 4);
-                memcpy(&dm, o + PK_DM + 4 * n, 4);
                 const float dx = xd[m * nsb + sb];
+                int32_t S = 0, Mn = 0;
+                float d, dm;
+                if (t == Q6_K) {
+                    static const int field_shift[4] = {4, 6, 0, 2};
+                    for (int g16 = 0; g16 < 16; g16++) { /* values 16 g16 .. 16 g16 + 15 */
+                        int32_t I = 0;
+                        for (int e = 16 * g16; e < 16 * g16 + 16; e++) {
+                            const int hi = e >= 128, v = e % 128, g = v / 4, i = v % 4;
+                            const uint8_t q = o[64 * g + 4 * n + i];
+                            const uint8_t h = o[P6_QH + 64 * (8 * hi + g / 4) + 4 * n + i];
+                            const int u = (hi ? q >> 4 : q & 15) | (((h >> field_shift[g % 4]) & 3) << 4);
+                            I += u * x[e];
+                        }
+                        const int32_t sc = (int8_t)o[P6_SC + 16 * g16 + n];
+                        S += sc * I;
+                        Mn += sc * b16[m * (K / 16) + sb * 16 + g16];
+                    }
+                    Mn *= 32;
+                    memcpy(&d, o + P6_D + 4 * n, 4);
+                    dm = d;
+                } else {
+                    for (int j = 0; j < 8; j++) {
+                        int32_t I = 0;
+                        for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
+                            for (int i = 0; i < 4; i++) {
+                                const uint8_t q = o[64 * g + 4 * n + i];
+                                I += (int32_t)(j < 4 ? q & 15 : q >> 4) * x[(j < 4 ? 0 : 128) + 4 * g + i];
+                            }
+                        S += (int32_t)o[PK_SC + 16 * j + n] * I;
+                    }
+                    for (int p = 0; p < 4; p++) {
+                        int16_t pair[2];
+                        memcpy(pair, o + PK_MN + 64 * p + 4 * n, 4);
+                        Mn += pair[0] * b32[m * (K / 32) + sb * 8 + 2 * p] + pair[1] * b32[m * (K / 32) + sb * 8 + 2 * p + 1];
+                    }
+                    memcpy(&d, o + PK_D + 4 * n, 4);
+                    memcpy(&dm, o + PK_DM + 4 * n, 4);
+                }
                 acc = fmaf((float)S, d * dx, acc);
                 acc = fmaf(-(float)Mn, dm * dx, acc);
             }

@@ -141,8 +141,10 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
     lib.gq_matmul.restype = i32
     lib.gq_gemm.argtypes = [p, i32, p, i64, i64, p, p, i64, i32]
     lib.gq_gemm.restype = i32
-    lib.gq_pack_q4k.argtypes = [p, i64, i64, i64, p, i32]
-    lib.gq_pack_q4k.restype = i32
+    lib.gq_pack.argtypes = [i32, p, i64, i64, i64, p, i32]
+    lib.gq_pack.restype = i32
+    lib.gq_packed_sb_bytes.argtypes = [i32]
+    lib.gq_packed_sb_bytes.restype = i32
     lib.gq_gemm_type.argtypes = [i32]
     lib.gq_gemm_type.restype = i32
     lib.gq_dequant_rows.argtypes = [i32, p, i64, i64, p, i64, p]

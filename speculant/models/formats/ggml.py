@@ -48,21 +48,22 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
                 ("row_bytes", ctypes.c_int64), ("perm", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
-# bytes per 16 rows x 256 values of a repacked Q4_K part (gq_packed.h's PACK_SB_BYTES)
-_PACK_SB_BYTES = 2560
+# the types repacked at load into 16-row tiles (gq_packed.h)
+PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 
 
-def packed_q4k(lib: ctypes.CDLL, p: Part, k: int) -> np.ndarray | None:
+def packed_part(lib: ctypes.CDLL, p: Part, k: int) -> np.ndarray | None:
     """The part's rows repacked 16 at a time (gq_packed.h: one output per lane, read by every pass), for Q4_K
-    parts of whole 16-row tiles; None for the others, which the kernels read as the file stores them."""
-    if p.qtype != GGMLQuantizationType.Q4_K or p.rows % 16 or not ggml_available():
+    and Q6_K parts of whole 16-row tiles; None for the others, which the kernels read as the file stores them."""
+    if p.qtype not in PACKED_TYPES or p.rows % 16 or not ggml_available():
         return None
     # An anonymous mapping: page-aligned, and without the transparent huge pages numpy asks for on large
     # arrays, which made this stream slower (1.5B, gate_up of 28 layers at M = 1: 10.7-11.4 ms on numpy's
     # huge pages, 7.6-7.7 ms on 4 KB pages; AMD EPYC, THP in madvise mode)
-    out = np.frombuffer(mmap.mmap(-1, p.rows // 16 * (k // 256) * _PACK_SB_BYTES), dtype=np.uint8)
-    if lib.gq_pack_q4k(p.data.ctypes.data, p.rows, p.data.shape[1], k, out.ctypes.data, torch.get_num_threads()):
-        raise SpeculantError(f"repacking a Q4_K tensor of {p.rows} rows of {k} values failed")
+    out = np.frombuffer(mmap.mmap(-1, p.rows // 16 * (k // 256) * lib.gq_packed_sb_bytes(p.qtype)), dtype=np.uint8)
+    if lib.gq_pack(p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1], k, out.ctypes.data, torch.get_num_threads()):
+        raise SpeculantError(f"repacking a {GGMLQuantizationType(p.qtype).name} tensor of {p.rows} rows of {k} "
+                             f"values failed")
     _release_file_pages(p.data)
     return out
 
@@ -167,7 +168,7 @@ class GGMLLinear(QLinear):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._lib = native.gq_library()
         table = (_Part * len(parts))()
-        self._packed = [packed_q4k(self._lib, p, in_features) for p in parts]
+        self._packed = [packed_part(self._lib, p, in_features) for p in parts]
         for row, p, packed in zip(table, parts, self._packed):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
