@@ -54,6 +54,10 @@ typedef __m512 vf_t;
 #define VI_OR(a, b) _mm512_or_si512(a, b)
 #define VI_SLLI16B(v, n) _mm512_slli_epi16(v, n)
 #define VI_SLLI32(v, n) _mm512_slli_epi32(v, n)
+#define VI_UNPLO32(a, b) _mm512_unpacklo_epi32(a, b)
+#define VI_UNPHI32(a, b) _mm512_unpackhi_epi32(a, b)
+#define VI_UNPLO64(a, b) _mm512_unpacklo_epi64(a, b)
+#define VI_UNPHI64(a, b) _mm512_unpackhi_epi64(a, b)
 #else
 typedef __m256i vi_t;
 typedef __m256 vf_t;
@@ -91,6 +95,10 @@ typedef __m256 vf_t;
 #define VI_OR(a, b) _mm256_or_si256(a, b)
 #define VI_SLLI16B(v, n) _mm256_slli_epi16(v, n)
 #define VI_SLLI32(v, n) _mm256_slli_epi32(v, n)
+#define VI_UNPLO32(a, b) _mm256_unpacklo_epi32(a, b)
+#define VI_UNPHI32(a, b) _mm256_unpackhi_epi32(a, b)
+#define VI_UNPLO64(a, b) _mm256_unpacklo_epi64(a, b)
+#define VI_UNPHI64(a, b) _mm256_unpackhi_epi64(a, b)
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 /* activation rows per pass: 4 x 2 vectors = 8 chains. The 256-bit builds' 16 ymm registers hold them with
@@ -122,18 +130,18 @@ static void ktile_at(ktile *kt, char *mem, int64_t K) { /* mem: 64-byte aligned,
 
 /* v[c] lane n = v[n] lane c (a VL x VL transpose of 32-bit lanes) */
 static inline void transpose_lanes(vi_t v[VL]) {
+    vi_t t[VL];
+    for (int i = 0; i < VL; i += 2) {
+        t[i] = VI_UNPLO32(v[i], v[i + 1]);
+        t[i + 1] = VI_UNPHI32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < VL; i += 4) { /* v[4a + c], 128-bit lane L: rows 4a .. 4a + 3 of column 4L + c */
+        v[i] = VI_UNPLO64(t[i], t[i + 2]);
+        v[i + 1] = VI_UNPHI64(t[i], t[i + 2]);
+        v[i + 2] = VI_UNPLO64(t[i + 1], t[i + 3]);
+        v[i + 3] = VI_UNPHI64(t[i + 1], t[i + 3]);
+    }
 #if GQ_512
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* v[4a + c], 128-bit lane L: rows 4a .. 4a + 3 of column 4L + c */
-        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
     for (int i = 0; i < 16; i += 8)
         for (int j = 0; j < 4; j++) {
             t[i + j] = _mm512_shuffle_i32x4(v[i + j], v[i + j + 4], 0x88);
@@ -144,17 +152,6 @@ static inline void transpose_lanes(vi_t v[VL]) {
         v[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
     }
 #else
-    __m256i t[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) { /* v[4a + c], 128-bit lane L: rows 4a .. 4a + 3 of column 4L + c */
-        v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-        v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-        v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-        v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
     for (int c = 0; c < 4; c++) {
         t[c] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x20);
         t[c + 4] = _mm256_permute2x128_si256(v[c], v[c + 4], 0x31);
@@ -206,6 +203,28 @@ static inline vi_t bcast4(const void *p) {
     return VI_SET1(v);
 }
 
+/* a[m][v] = z for the R x NV chains of a pass */
+#define SET_RV(a, R, NV, z)                                                                                   \
+    for (int m_ = 0; m_ < (R); m_++)                                                                          \
+        for (int v_ = 0; v_ < (NV); v_++) (a)[m_][v_] = (z)
+
+/* Output vector v of a pass reads tile tv[v] at lane offset L[v]: two tiles on AVX-512, one tile's halves
+ * on 256-bit builds. */
+static inline void tile_views(const ktile *kt, int NV, const ktile *tv[2], int L[2]) {
+    for (int v = 0; v < NV; v++) { tv[v] = kt + (VL == 16 ? v : 0); L[v] = VL == 16 ? 0 : VL * v; }
+}
+
+/* I[m][v] += the quad q (values 4q .. 4q + 3 of the row) of the unpacked tiles times activation row m's */
+#define QUAD_DP(I, q, R, NV, tv, L, xq, K)                                                                    \
+    do {                                                                                                      \
+        vi_t w_[2];                                                                                           \
+        for (int v_ = 0; v_ < (NV); v_++) w_[v_] = VI_LOAD((tv)[v_]->T + 64 * (q) + 4 * (L)[v_]);             \
+        for (int m_ = 0; m_ < (R); m_++) {                                                                    \
+            const vi_t x_ = bcast4((xq) + m_ * (K) + 4 * (q));                                                \
+            for (int v_ = 0; v_ < (NV); v_++) (I)[m_][v_] = VDP_U8((I)[m_][v_], w_[v_], x_);                 \
+        }                                                                                                     \
+    } while (0)
+
 /* out[m][v] (output vector v < NV: lanes L[v] .. L[v] + VL - 1 of tile kt + K[v]) for R activation rows:
  * xq [R][K] int8, xd [R][nsb], xb [R][K / 16]. GS groups share a scale (2 for Q4_K/Q5_K, whose scales are
  * per 32 values: half the integer multiplies). */
@@ -215,37 +234,24 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
                                                               vf_t out[GEMM_MR][2]) {
     const ktile *tv[2];
     int L[2];
-    for (int v = 0; v < NV; v++) { tv[v] = kt + (VL == 16 ? v : 0); L[v] = VL == 16 ? 0 : VL * v; }
+    tile_views(kt, NV, tv, L);
     vf_t acc[GEMM_MR][2];
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    SET_RV(acc, R, NV, VF_ZERO());
     for (int64_t sb = 0; sb < nsb; sb++) {
         vi_t S[GEMM_MR][2];
-        for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) S[m][v] = VI_ZERO();
-        const int8_t *x = xq + sb * 256;
+        SET_RV(S, R, NV, VI_ZERO());
         for (int g = 0; g < 16; g += GS) {
             vi_t I[GEMM_MR][2];
-            for (int m = 0; m < R; m++)
-                for (int v = 0; v < NV; v++) I[m][v] = VI_ZERO();
+            SET_RV(I, R, NV, VI_ZERO());
 #pragma GCC unroll 8
-            for (int qq = 0; qq < 4 * GS; qq++) {
-                const int q = 4 * g + qq;
-                vi_t w[2];
-                for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + 64 * (sb * 64 + q) + 4 * L[v]);
-                for (int m = 0; m < R; m++) {
-                    const vi_t xv = bcast4(x + m * K + 4 * q);
-                    for (int v = 0; v < NV; v++) I[m][v] = VDP_U8(I[m][v], w[v], xv);
-                }
-            }
+            for (int qq = 0; qq < 4 * GS; qq++) QUAD_DP(I, sb * 64 + 4 * g + qq, R, NV, tv, L, xq, K);
             for (int v = 0; v < NV; v++) {
                 const vi_t sc = VI_LOAD(tv[v]->SC + (sb * 16 + g) * 16 + L[v]);
                 for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], VI_MULLO(I[m][v], sc));
             }
         }
         vi_t Mn[GEMM_MR][2];
-        for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) Mn[m][v] = VI_ZERO();
+        SET_RV(Mn, R, NV, VI_ZERO());
         for (int j = 0; j < 8; j++) {
             vi_t mn[2];
             for (int v = 0; v < NV; v++) mn[v] = VI_LOAD(tv[v]->MN + ((sb * 8 + j) * 16 + L[v]) * 2);
@@ -275,24 +281,14 @@ static inline __attribute__((always_inline)) void gemm_32_rows(const int R, cons
                                                                vf_t out[GEMM_MR][2]) {
     const ktile *tv[2];
     int L[2];
-    for (int v = 0; v < NV; v++) { tv[v] = kt + (VL == 16 ? v : 0); L[v] = VL == 16 ? 0 : VL * v; }
+    tile_views(kt, NV, tv, L);
     vf_t acc[GEMM_MR][2];
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    SET_RV(acc, R, NV, VF_ZERO());
     for (int64_t b = 0; b < nb; b++) {
         vi_t I[GEMM_MR][2];
-        for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) I[m][v] = VI_ZERO();
+        SET_RV(I, R, NV, VI_ZERO());
 #pragma GCC unroll 8
-        for (int qq = 0; qq < 8; qq++) {
-            const int64_t q = 8 * b + qq;
-            vi_t w[2];
-            for (int v = 0; v < NV; v++) w[v] = VI_LOAD(tv[v]->T + 64 * q + 4 * L[v]);
-            for (int m = 0; m < R; m++) {
-                const vi_t xv = bcast4(xq + m * K + 4 * q);
-                for (int v = 0; v < NV; v++) I[m][v] = VDP_U8(I[m][v], w[v], xv);
-            }
-        }
+        for (int qq = 0; qq < 8; qq++) QUAD_DP(I, 8 * b + qq, R, NV, tv, L, xq, K);
         for (int v = 0; v < NV; v++) {
             const vf_t D = VF_LOAD(tv[v]->D + b * 16 + L[v]), O = VF_LOAD(tv[v]->DM + b * 16 + L[v]);
             for (int m = 0; m < R; m++) {

@@ -107,20 +107,18 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                                                               const int16_t *b32, vf_t out[GEMM_MR][2]) {
     const int NV = 16 / VL;
     vf_t acc[GEMM_MR][2];
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK_SB_BYTES;
         for (int l = 0; l < PACK_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
         vi_t S[GEMM_MR][2];
-        for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) S[m][v] = VI_ZERO();
+        SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
         for (int j = 0; j < 4; j++) { /* sub-blocks j (low nibbles) and j + 4 (high) */
             vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2];
-            for (int m = 0; m < R; m++)
-                for (int v = 0; v < NV; v++) Il[m][v] = Ih[m][v] = VI_ZERO();
+            SET_RV(Il, R, NV, VI_ZERO());
+            SET_RV(Ih, R, NV, VI_ZERO());
 #pragma GCC unroll 8
             for (int g = 8 * j; g < 8 * j + 8; g++) {
                 vi_t wl[2], wh[2];
@@ -171,20 +169,19 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
                                                                const int16_t *b16, vf_t out[GEMM_MR][2]) {
     const int NV = 16 / VL;
     vf_t acc[GEMM_MR][2];
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) acc[m][v] = VF_ZERO();
+    SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK6_SB_BYTES;
         for (int l = 0; l < PACK6_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
         vi_t S[GEMM_MR][2], Mn[GEMM_MR][2];
-        for (int m = 0; m < R; m++)
-            for (int v = 0; v < NV; v++) S[m][v] = Mn[m][v] = VI_ZERO();
+        SET_RV(S, R, NV, VI_ZERO());
+        SET_RV(Mn, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
         for (int s = 0; s < 8; s++) { /* groups s (values 16s ..) and 8 + s (128 + 16s ..) */
             vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2], hl[2], hh[2];
-            for (int m = 0; m < R; m++)
-                for (int v = 0; v < NV; v++) Il[m][v] = Ih[m][v] = VI_ZERO();
+            SET_RV(Il, R, NV, VI_ZERO());
+            SET_RV(Ih, R, NV, VI_ZERO());
             for (int v = 0; v < NV; v++) {
                 hl[v] = VI_LOAD(o + P6_QH + 64 * s + 4 * VL * v);
                 hh[v] = VI_LOAD(o + P6_QH + 64 * (8 + s) + 4 * VL * v);
