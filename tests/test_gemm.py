@@ -36,7 +36,7 @@ def test_gemm_matches_a_float64_reference_on_every_build(t):
     a, b = random_blocks(t, 48, K, seed=int(t)), random_blocks(other, 16, K, seed=99)
     perm = np.random.default_rng(0).permutation(16).astype(np.int32)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(2))
-    lin = GGMLLinear([Part(int(t), a), Part(int(other), b, perm)], K, bias)
+    lin = GGMLLinear([Part(int(t), a), Part(int(other), b, perm)], K, bias, pack=True)
     x = torch.randn(37, K, generator=torch.Generator().manual_seed(1))
     ref = torch.empty(37, 64, dtype=torch.float64)
     ref[:, :48] = q8_reference(x, t) @ torch.from_numpy(dequant(t, a, K)).double().T

@@ -56,7 +56,7 @@ def q8_reference(x: torch.Tensor, t: T) -> torch.Tensor:
 
 
 def matmul(lib, parts: list[Part], x: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    lin = GGMLLinear(parts, k, bias)
+    lin = GGMLLinear(parts, k, bias, pack=True)  # Q4_K/Q6_K of whole 16-row tiles repacked, as from a file
     y = torch.empty(x.shape[0], lin.out_features)
     rc = lib.gq_matmul(lin.table, len(parts), x.data_ptr(), x.shape[0], k,
                        None if bias is None else lin.bias.data_ptr(), y.data_ptr(), lin.out_features, 2)

@@ -52,10 +52,14 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
 PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 
 
-def packed_part(lib: ctypes.CDLL, p: Part, k: int) -> np.ndarray | None:
+def packed_part(lib: ctypes.CDLL, p: Part, k: int, pack: bool | None = None) -> np.ndarray | None:
     """The part's rows repacked 16 at a time (gq_packed.h: one output per lane, read by every pass), for Q4_K
-    and Q6_K parts of whole 16-row tiles; None for the others, which the kernels read as the file stores them."""
-    if p.qtype not in PACKED_TYPES or p.rows % 16 or not ggml_available():
+    and Q6_K parts of whole 16-row tiles; None for the others, which the kernels read as the file stores them.
+    pack=None repacks only parts memory-mapped from a file, whose pages are then released: blocks held in
+    memory (an HF folder quantized on load) would stay beside their tiles, doubling their memory."""
+    if p.qtype not in PACKED_TYPES or p.rows % 16 or not ggml_available() or pack is False:
+        return None
+    if pack is None and _file_mapping(p.data) is None:
         return None
     # An anonymous mapping: page-aligned, and without the transparent huge pages numpy asks for on large
     # arrays, which made this stream slower (1.5B, gate_up of 28 layers at M = 1: 10.7-11.4 ms on numpy's
@@ -72,16 +76,21 @@ def _release_file_pages(a: np.ndarray) -> None:
     """Drops a memory-mapped file's pages under `a` from this process's resident set (the passes read the
     repacked copy; a later read of `a` faults them back in from the page cache). Arrays not backed by a
     file mapping are left alone: MADV_DONTNEED would zero anonymous memory."""
-    base = a
-    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
-        base = getattr(base, "base", None)
-    if base is None or not hasattr(mmap, "MADV_DONTNEED") or not a.flags.c_contiguous:
+    if _file_mapping(a) is None or not hasattr(mmap, "MADV_DONTNEED") or not a.flags.c_contiguous:
         return
     page = mmap.PAGESIZE
     start = -(-a.ctypes.data // page) * page
     end = (a.ctypes.data + a.nbytes) // page * page
     if end > start:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+def _file_mapping(a: np.ndarray) -> np.memmap | None:
+    """The file mapping under `a` (a view of a numpy memmap, as the GGUF reader's tensors are), or None."""
+    base = a
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    return base
 
 
 @functools.cache
@@ -156,7 +165,8 @@ def row_bytes(qtype: int, k: int) -> int:
 
 
 class GGMLLinear(QLinear):
-    def __init__(self, parts: list[Part], in_features: int, bias: Tensor | None = None) -> None:
+    def __init__(self, parts: list[Part], in_features: int, bias: Tensor | None = None,
+                 pack: bool | None = None) -> None:  # pack: see packed_part
         super().__init__()
         self.parts = parts
         self.in_features = in_features
@@ -168,7 +178,7 @@ class GGMLLinear(QLinear):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._lib = native.gq_library()
         table = (_Part * len(parts))()
-        self._packed = [packed_part(self._lib, p, in_features) for p in parts]
+        self._packed = [packed_part(self._lib, p, in_features, pack) for p in parts]
         for row, p, packed in zip(table, parts, self._packed):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
