@@ -112,14 +112,6 @@ typedef struct {
  * 31.2-33.3 -> 31.2-31.8; M=1 unchanged. */
 static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
 
-/* The activations of a pass, quantized as the parts' families need (quantize_block): int8 rows [M][K]; per 32
- * values d and d * sum (32-blocks); per 256 d and the sums of each 16 (K-quants). */
-typedef struct {
-    int8_t *q32, *qk;
-    float *d32, *s32, *dk;
-    int16_t *bk, *b32k; /* K-quants: sums of each 16 and of each 32 */
-} xquant;
-
 static void xquant_free(xquant *X) {
     free(X->q32); free(X->d32); free(X->s32); free(X->qk); free(X->dk); free(X->bk); free(X->b32k);
 }
@@ -170,8 +162,8 @@ static void packed_part_tile(const gq_part *parts, int nparts, int64_t i, int64_
         if (P->packed && i < P->n / 16) {
             int64_t cols[16];
             for (int n = 0; n < 16; n++) cols[n] = off + (P->perm ? P->perm[16 * i + n] : 16 * i + n);
-            packed_tile(P->type, P->packed + i * (K / 256) * packed_sb_bytes(P->type), K / 256, M, X->qk, K, X->dk, X->bk,
-                        X->b32k, bias, cols, y, N);
+            packed_tile(P->type, P->packed + i * (K / 256) * packed_sb_bytes(P->type), K / 256, M, X, K, bias, cols,
+                        !P->perm, y, N);
             return;
         }
         if (P->packed) i -= P->n / 16;
@@ -223,10 +215,10 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
 #pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < ptiles; i++)
             packed_part_tile(parts, nparts, i, M, &X, K, bias, y, N);
-        /* one decoded row per thread: u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K] */
+        /* one decoded row per thread (u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K]) for the rows not packed */
         const size_t bytes = (size_t)K + 64 + sizeof(int16_t) * (K / 2 + K / 16) + 2 * sizeof(float) * (K / 32) +
                              sizeof(float) * K + 256;
-        char *mem = alloc64(bytes);
+        char *mem = 16 * ptiles < N ? alloc64(bytes) : NULL;
         drow r;
         if (mem) {
             r.u = (uint8_t *)mem;
@@ -235,7 +227,7 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
             r.d = (float *)(r.mn + K / 16 + 16);
             r.dm = r.d + K / 32;
             r.f = r.dm + K / 32;
-        } else {
+        } else if (16 * ptiles < N) {
 #pragma omp atomic write
             rc = -1;
         }
@@ -355,7 +347,6 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
     if (total != N) return -4;
     xquant X;
     if ((rc = xquant_alloc(&X, M, K, need32, needk))) return rc;
-    const gemm_x gx = {X.qk, X.q32, X.dk, X.d32, X.s32, X.bk};
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -398,7 +389,7 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
                 else
                     pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             }
-            gemm_tiles(P->type, tiles, kt, M, &gx, K, bias, cols, !P->perm, y, N);
+            gemm_tiles(P->type, tiles, kt, M, &X, K, bias, cols, !P->perm, y, N);
         }
         free(mem);
     }

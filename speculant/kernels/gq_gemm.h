@@ -17,6 +17,14 @@
 
 #include "gq_decode.h"
 
+/* The activations of a pass, quantized as the parts' families need (gq.c's quantize_block): int8 rows [M][K];
+ * per 32 values d and d * sum (32-blocks); per 256 d and the sums of each 16 and of each 32 (K-quants). */
+typedef struct {
+    int8_t *q32, *qk;
+    float *d32, *s32, *dk;
+    int16_t *bk, *b32k;
+} xquant;
+
 #if GQ_AVX2
 /* The kernel is written once over a vector of VL lanes (one output each): 16 on AVX512-VNNI builds, 8 on
  * AVX-VNNI and AVX2 builds. A pass covers two vectors of outputs (two 16-row tiles, or one tile's two
@@ -208,6 +216,11 @@ static inline vi_t bcast4(const void *p) {
     for (int m_ = 0; m_ < (R); m_++)                                                                          \
         for (int v_ = 0; v_ < (NV); v_++) (a)[m_][v_] = (z)
 
+/* dst[m][v] = src[m][v] for the R x NV chains of a pass */
+#define COPY_RV(dst, src, R, NV)                                                                              \
+    for (int m_ = 0; m_ < (R); m_++)                                                                          \
+        for (int v_ = 0; v_ < (NV); v_++) (dst)[m_][v_] = (src)[m_][v_]
+
 /* Output vector v of a pass reads tile tv[v] at lane offset L[v]: two tiles on AVX-512, one tile's halves
  * on 256-bit builds. */
 static inline void tile_views(const ktile *kt, int NV, const ktile *tv[2], int L[2]) {
@@ -235,7 +248,7 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
     const ktile *tv[2];
     int L[2];
     tile_views(kt, NV, tv, L);
-    vf_t acc[GEMM_MR][2];
+    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     for (int64_t sb = 0; sb < nsb; sb++) {
         vi_t S[GEMM_MR][2];
@@ -269,8 +282,7 @@ static inline __attribute__((always_inline)) void gemm_k_rows(const int R, const
             }
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+    COPY_RV(out, acc, R, NV);
 }
 
 /* gemm_k_rows for a 32-block type: per block b, I = sum of u * x (8 quads), acc = fma(I, d dx, acc) and
@@ -282,7 +294,7 @@ static inline __attribute__((always_inline)) void gemm_32_rows(const int R, cons
     const ktile *tv[2];
     int L[2];
     tile_views(kt, NV, tv, L);
-    vf_t acc[GEMM_MR][2];
+    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     for (int64_t b = 0; b < nb; b++) {
         vi_t I[GEMM_MR][2];
@@ -297,17 +309,33 @@ static inline __attribute__((always_inline)) void gemm_32_rows(const int R, cons
             }
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+    COPY_RV(out, acc, R, NV);
 }
 
-/* The activations as gq_gemm quantizes them: int8 per row [M][K]; per 256 (K-quants) d and the sums of each
- * 16; per 32 (32-blocks) d and d * sum. */
-typedef struct {
-    const int8_t *qk, *q32;
-    const float *dk, *d32, *s32;
-    const int16_t *bk;
-} gemm_x;
+/* BODY(R) for the R = mc activation rows of a pass as a compile-time constant (as gq.c's ROW_SWITCH) */
+#define GEMM_SWITCH(mc, BODY)                                                                                 \
+    switch (mc) {                                                                                             \
+    case 1: BODY(1); break;                                                                                   \
+    case 2: BODY(2); break;                                                                                   \
+    case 3: BODY(3); break;                                                                                   \
+    default: BODY(4); break;                                                                                  \
+    }
+
+/* Rows y[m, cols[n]] (m < mc, n < 16 tiles) = out[m] (+ bias[cols[n]]); contiguous: cols run cols[0] ... */
+static void store_rows(vf_t out[GEMM_MR][2], int mc, int tiles, const float *bias, const int64_t *cols,
+                       int contiguous, float *y, int64_t N) {
+    float bv[32] = {0};
+    if (bias)
+        for (int n = 0; n < 16 * tiles; n++) bv[n] = bias[cols[n]];
+    for (int m = 0; m < mc; m++) {
+        float *yr = y + m * N, o[32];
+        for (int v = 0; v < 16 * tiles / VL; v++)
+            VF_STORE(o + VL * v, bias ? VF_ADD(out[m][v], VF_LOAD(bv + VL * v)) : out[m][v]);
+        if (contiguous) memcpy(yr + cols[0], o, sizeof(float) * 16 * tiles);
+        else
+            for (int n = 0; n < 16 * tiles; n++) yr[cols[n]] = o[n];
+    }
+}
 
 /* Whether this build's gemm multiplies type t: the K-quants, the 32-blocks (Q8_0, whose u reach 255, only
  * with VNNI: vpmaddubsw's pair sums would saturate). */
@@ -315,13 +343,10 @@ static int gemm_type(int t) { return family(t) == FAM_K || (family(t) == FAM_32 
 
 /* All M rows against `tiles` packed tiles of 16 outputs (TILES_PER_PASS at most); y row-major [M, N];
  * cols[n]: the output column of output n (16 per tile); contiguous: cols[0] .. cols[0] + 16 tiles - 1. */
-static void gemm_tiles(int t, int tiles, const ktile *kt, int64_t M, const gemm_x *X, int64_t K,
+static void gemm_tiles(int t, int tiles, const ktile *kt, int64_t M, const xquant *X, int64_t K,
                        const float *bias, const int64_t *cols, int contiguous, float *y, int64_t N) {
     const int gs = (t == Q4_K || t == Q5_K) ? 2 : 1, nv = 16 * tiles / VL, k = family(t) == FAM_K;
     const int64_t nsb = K / 256, nb = K / 32;
-    float bv[32] = {0};
-    if (bias)
-        for (int n = 0; n < 16 * tiles; n++) bv[n] = bias[cols[n]];
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
         const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
         vf_t out[GEMM_MR][2];
@@ -333,21 +358,10 @@ static void gemm_tiles(int t, int tiles, const ktile *kt, int64_t M, const gemm_
     else if (gs == 2) gemm_k_rows(R, V, 2, kt, nsb, xk, K, dk, bk, out);                                       \
     else gemm_k_rows(R, V, 1, kt, nsb, xk, K, dk, bk, out);
 #define GEMM_CASE(R) if (nv == 2) { GEMM_V(R, 2) } else { GEMM_V(R, 1) }
-        switch (mc) {
-        case 1: GEMM_CASE(1); break;
-        case 2: GEMM_CASE(2); break;
-        case 3: GEMM_CASE(3); break;
-        default: GEMM_CASE(4); break;
-        }
+        GEMM_SWITCH(mc, GEMM_CASE);
 #undef GEMM_CASE
 #undef GEMM_V
-        for (int m = 0; m < mc; m++) {
-            float *yr = y + (m0 + m) * N, o[32];
-            for (int v = 0; v < nv; v++) VF_STORE(o + VL * v, VF_ADD(out[m][v], VF_LOAD(bv + VL * v)));
-            if (contiguous) memcpy(yr + cols[0], o, sizeof(float) * 16 * tiles);
-            else
-                for (int n = 0; n < 16 * tiles; n++) yr[cols[n]] = o[n];
-        }
+        store_rows(out, mc, tiles, bias, cols, contiguous, y + m0 * N, N);
     }
 }
 #endif /* GQ_AVX2 */

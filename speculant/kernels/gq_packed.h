@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                                                               const int8_t *xq, const int64_t K, const float *xd,
                                                               const int16_t *b32, vf_t out[GEMM_MR][2]) {
     const int NV = 16 / VL;
-    vf_t acc[GEMM_MR][2];
+    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
@@ -153,8 +153,7 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
             }
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+    COPY_RV(out, acc, R, NV);
 }
 
 /* u's top 2 bits of field f of a qh vector, at bits 4-5 of each byte */
@@ -168,7 +167,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
                                                                const int8_t *xq, const int64_t K, const float *xd,
                                                                const int16_t *b16, vf_t out[GEMM_MR][2]) {
     const int NV = 16 / VL;
-    vf_t acc[GEMM_MR][2];
+    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
@@ -221,8 +220,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
             }
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int v = 0; v < NV; v++) out[m][v] = acc[m][v];
+    COPY_RV(out, acc, R, NV);
 }
 #endif
 
@@ -269,35 +267,29 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 }
 #endif
 
-/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile of type t (Q4_K or Q6_K) and all M rows; b16, b32: the
- * sums of x per 16 and per 32 [M][K / 16], [M][K / 32]. */
-static void packed_tile(int t, const uint8_t *tile, int64_t nsb, int64_t M, const int8_t *xq, int64_t K,
-                        const float *xd, const int16_t *b16, const int16_t *b32, const float *bias,
-                        const int64_t cols[16], float *y, int64_t N) {
+/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile of type t (Q4_K or Q6_K) and all M rows, from the
+ * activations X (int8 rows, d per 256, sums per 16 and per 32); contiguous: cols run cols[0] ... */
+static void packed_tile(int t, const uint8_t *tile, int64_t nsb, int64_t M, const xquant *X, int64_t K,
+                        const float *bias, const int64_t cols[16], int contiguous, float *y, int64_t N) {
 #if GQ_AVX2
     for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
         const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
         vf_t out[GEMM_MR][2];
-        const int8_t *x = xq + m0 * K;
-        const float *d = xd + m0 * nsb;
-        const int16_t *s16 = b16 + m0 * (K / 16), *s32 = b32 + m0 * (K / 32);
+        const int8_t *x = X->qk + m0 * K;
+        const float *d = X->dk + m0 * nsb;
+        const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
 #define PACKED_CASE(R)                                                                                        \
     if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
     else packed_rows(R, tile, nsb, x, K, d, s32, out);
-        switch (mc) {
-        case 1: PACKED_CASE(1); break;
-        case 2: PACKED_CASE(2); break;
-        case 3: PACKED_CASE(3); break;
-        default: PACKED_CASE(4); break;
-        }
+        GEMM_SWITCH(mc, PACKED_CASE);
 #undef PACKED_CASE
-        for (int m = 0; m < mc; m++) {
-            float o[16];
-            for (int v = 0; v < 16 / VL; v++) VF_STORE(o + VL * v, out[m][v]);
-            for (int n = 0; n < 16; n++) y[(m0 + m) * N + cols[n]] = bias ? o[n] + bias[cols[n]] : o[n];
-        }
+        store_rows(out, mc, 1, bias, cols, contiguous, y + m0 * N, N);
     }
 #else /* the same integers and float operations, one lane at a time */
+    (void)contiguous;
+    const int8_t *xq = X->qk;
+    const float *xd = X->dk;
+    const int16_t *b16 = X->bk, *b32 = X->b32k;
     const int sbb = (int)packed_sb_bytes(t);
     for (int64_t m = 0; m < M; m++)
         for (int n = 0; n < 16; n++) {

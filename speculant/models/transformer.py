@@ -24,7 +24,7 @@ Which route a forward takes (S = tokens in the pass):
 |---|---|---|---|
 | fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
 | row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_masked` in C where built, else torch per row | the format's kernel |
-| SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (K-quants: gq_gemm on AVX512-VNNI) |
+| SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (block types: gq_gemm on x86 builds) |
 | chunked prefill | causal S > PREFILL_CHUNK on the CPU | as SDPA, PREFILL_CHUNK tokens at a time | as SDPA |
 
 Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it

@@ -5,10 +5,12 @@ whole rows in one GGML type ([rows, row_bytes], usually a read-only memory map o
 q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permutation (llama files
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
+Q4_K and Q6_K parts memory-mapped from a file are repacked at load into 16-row tiles with one output per
+lane (`packed_part`, gq_packed.h), which every pass reads; the file's pages under them are released.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
-Longer passes (prompt prefill) take the best of `prefill_routes()`: K-quants an integer GEMM with an
-output per lane on AVX512-VNNI builds (gq_gemm.h); other types, or CPUs with AMX, weights dequantized a
-chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes' kernel.
+Longer passes (prompt prefill) take the best of `prefill_routes()`: the block types an integer GEMM with
+an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with AMX, weights
+dequantized a chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes' kernel.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ PREFILL_ROUTES = ("gemm", "bf16", "rows")
 def prefill_routes() -> tuple[str, ...]:
     """How passes of more than SHORT_PASS_MAX rows (prompts) may multiply GGML weights on this CPU, best first.
 
-    "gemm": gq_gemm (gq_gemm.h; AVX512-VNNI builds, K-quants only), the file's blocks as they are, one output
-    per lane. "bf16": weights dequantized a chunk at a time into bf16 and multiplied by oneDNN (AVX512-BF16, or
+    "gemm": gq_gemm (gq_gemm.h; the x86 builds, the block types gq_gemm_type accepts), the blocks as they are,
+    one output per lane. "bf16": weights dequantized a chunk at a time into bf16 and multiplied by oneDNN (AVX512-BF16, or
     AMX, which outruns any int8 kernel here: there it comes first). "rows": gq_matmul, as short passes.
     $SPECULANT_PREFILL puts one first (int8 = rows, its old name) where this CPU runs it."""
     flags = native.cpu_flags()
