@@ -53,12 +53,14 @@ def test_gemm_matches_a_float64_reference_on_every_build(t):
         assert err < 2e-6, (name, float(err))
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["file", "packed"])
 @pytest.mark.parametrize("K", [896, 96, 32])
-def test_gemm_takes_rows_of_any_whole_number_of_32_blocks(K):
+def test_gemm_takes_rows_of_any_whole_number_of_32_blocks(K, pack):
     """K = 896 (the 0.5B's width: 3.5 superblocks) and K = 96 (a tail of 8 quads past the AVX-512 transposes)
-    in Q5_0, 40 rows."""
+    in Q5_0, 40 rows; from the file's blocks or the repacked tiles (K = 896 only: pairs of blocks)."""
     data = random_blocks(T.Q5_0, 32, K, seed=7)
-    lin = GGMLLinear([Part(int(T.Q5_0), data)], K)
+    lin = GGMLLinear([Part(int(T.Q5_0), data)], K, pack=pack)
+    assert (lin._packed[0] is not None) == (pack and K % 64 == 0)
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(4))
     ref = q8_reference(x, T.Q5_0) @ torch.from_numpy(dequant(T.Q5_0, data, K)).double().T
     for name, lib in builds():

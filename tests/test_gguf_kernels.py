@@ -14,7 +14,7 @@ from gguf import quants
 
 from speculant.errors import SpeculantError
 from speculant.models import native
-from speculant.models.formats.ggml import GGMLEmbedding, GGMLLinear, Part, row_bytes
+from speculant.models.formats.ggml import PACKED_TYPES, GGMLEmbedding, GGMLLinear, Part, row_bytes
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 # byte offsets of each type's fp16 scale fields (d, and dmin / m where the type has one)
@@ -55,8 +55,10 @@ def q8_reference(x: torch.Tensor, t: T) -> torch.Tensor:
     return (q.double() * d.double()).reshape(x.shape)
 
 
-def matmul(lib, parts: list[Part], x: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    lin = GGMLLinear(parts, k, bias, pack=True)  # Q4_K/Q6_K of whole 16-row tiles repacked, as from a file
+def matmul(lib, parts: list[Part], x: torch.Tensor, k: int, bias: torch.Tensor | None = None,
+           pack: bool = True) -> torch.Tensor:
+    # pack: parts of whole 16-row tiles repacked (gq_packed.h, gq_packed32.h), as from a file; else the file layout
+    lin = GGMLLinear(parts, k, bias, pack=pack)
     y = torch.empty(x.shape[0], lin.out_features)
     rc = lib.gq_matmul(lin.table, len(parts), x.data_ptr(), x.shape[0], k,
                        None if bias is None else lin.bias.data_ptr(), y.data_ptr(), lin.out_features, 2)
@@ -69,14 +71,18 @@ def builds() -> list[tuple[str, ctypes.CDLL]]:
     return out + [("portable", native.portable_library())]
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "file"])
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_each_type_matches_a_float64_reference(t):
-    N, K = 32, 512  # 32 rows: Q4_K and Q6_K repacked (gq_packed.h)
+def test_each_type_matches_a_float64_reference(t, pack):
+    """32 rows of 512: the block types repacked into two tiles, or read in the file's layout."""
+    N, K = 32, 512
     data = random_blocks(t, N, K, seed=int(t))
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
     ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, data, K)).double().T
+    lin = GGMLLinear([Part(int(t), data)], K, pack=pack)
+    assert (lin._packed[0] is not None) == (pack and t in PACKED_TYPES)
     for name, lib in builds():
-        y = matmul(lib, [Part(int(t), data)], x, K).double()
+        y = matmul(lib, [Part(int(t), data)], x, K, pack=pack).double()
         err = (y - ref).abs().max() / ref.abs().max()
         assert err < 2e-6, (name, float(err))
 
@@ -139,7 +145,9 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
     K = 768
     parts = [Part(int(t), random_blocks(t, n, K, seed=7 + i)) for i, (t, n) in
              enumerate([(T.Q4_K, 19), (T.Q4_K, 32), (T.Q6_K, 8), (T.Q6_K, 16), (T.Q8_0, 5), (T.Q5_0, 3), (T.Q4_1, 2), (T.F16, 3), (T.Q3_K, 2),
-                        (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1)])]
+                        (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1),
+                        # repacked 32-blocks (whole tiles)
+                        (T.Q4_0, 16), (T.Q4_1, 16), (T.Q5_0, 32), (T.Q5_1, 16), (T.Q8_0, 16)])]
     x = torch.randn(32, K, generator=torch.Generator().manual_seed(3)) * 3
     bias = torch.randn(sum(p.rows for p in parts))
     results = []
@@ -173,6 +181,21 @@ def test_an_odd_count_of_32_blocks_is_exact_and_bit_identical_everywhere():
         ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, p.data, K)).double().T
         got = results[0][1][:, 5 * i:5 * i + 5].double()
         assert (got - ref).abs().max() / ref.abs().max() < 2e-6, t.name
+
+
+@pytest.mark.parametrize("t", [T.Q5_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_a_reduced_head_reads_its_layers_tiles(t):
+    """first_rows of a repacked layer (a draft's reduced vocabulary) is a view of the layer's tiles, not a
+    second copy, and gives the layer's first rows bit for bit; a cut inside a tile repacks nothing."""
+    K = 512
+    lin = GGMLLinear([Part(int(t), random_blocks(t, 64, K, seed=3))], K, pack=True)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    head = lin.first_rows(32)
+    assert head._packed[0] is not None and np.shares_memory(head._packed[0], lin._packed[0])
+    assert torch.equal(head(x), lin(x)[:, :32])
+    odd = lin.first_rows(40)
+    assert odd._packed[0] is None and odd.out_features == 40
+    assert torch.allclose(odd(x), lin(x)[:, :40], rtol=1e-4, atol=1e-4)  # the file layout's canonical form
 
 
 def test_permuted_parts_land_in_their_columns():

@@ -30,6 +30,8 @@
  *  Q4_K and Q6_K parts repacked at load (gq_part.packed, gq_packed.h), one output per lane: per superblock
  *    the exact S = sum of sc * (sum of u*x) over sub-blocks and Mn = sum of mn * (sum of x) (Q6_K: 32 sc), then
  *    acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc) in superblock order; y = acc
+ *  32-block parts repacked at load (gq_packed32.h): per block the exact I = sum of q*x (q signed), then
+ *    acc = fma(I, d * dx, acc) (Q4_1, Q5_1: and acc = fma(m, dx * sum(xq), acc)) in block order; y = acc
  */
 /* The parts, each included once into this one translation unit (so every helper stays static and inlined):
  *  gq_types.h    block types, the build's instruction sets, fp16 reads, prefetching
@@ -39,6 +41,7 @@
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
  *  gq_gemm.h     prompt passes of the block types (an output per lane)
  *  gq_packed.h   Q4_K and Q6_K repacked at load, 16 rows per tile (an output per lane), for every pass
+ *  gq_packed32.h the same for the 32-block types, and the packed tiles' dispatch
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
 #include "gq_decode.h"
@@ -47,6 +50,7 @@
 #include "gq_dequant.h"
 #include "gq_gemm.h"
 #include "gq_packed.h"
+#include "gq_packed32.h"
 
 int gq_supported(int t) { return family(t) >= 0; }
 int gq_block_bytes(int t) { return block_bytes(t); }
@@ -55,8 +59,9 @@ int gq_block_values(int t) { return block_values(t); }
 /* ---------------------------------------------------------------- activations */
 
 /* Per-row int8 quantisation of x[M, K] in blocks of `blk` (32 or 256): xq[M, K], xd[M, K / blk] scales;
- * for blk = 256 also xb[M, K / 16] sums of each 16; for blk = 32 also xs[M, K / 32] = scale * sum. */
-static void quantize_block(const float *x, int blk, int8_t *xq, float *xd, int16_t *xb, float *xs) {
+ * for blk = 256 also xb[M, K / 16] sums of each 16; for blk = 32 also xs[M, K / 32] = scale * sum.
+ * Returns the block's sum of xq. */
+static int32_t quantize_block(const float *x, int blk, int8_t *xq, float *xd, int16_t *xb, float *xs) {
     float amax = 0.0f;
     for (int i = 0; i < blk; i++) { /* = fmaxf(amax, |x|) (amax is never NaN; a NaN x is skipped), but
                                        * inline: gcc calls libm's fmaxf for each value (a decode step of
@@ -80,6 +85,7 @@ static void quantize_block(const float *x, int blk, int8_t *xq, float *xd, int16
             xb[g] = (int16_t)s;
         }
     if (xs) *xs = d * (float)sum;
+    return sum;
 }
 
 /* ---------------------------------------------------------------- the matmul */
@@ -113,7 +119,7 @@ typedef struct {
 static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
 
 static void xquant_free(xquant *X) {
-    free(X->q32); free(X->d32); free(X->s32); free(X->qk); free(X->dk); free(X->bk); free(X->b32k);
+    free(X->q32); free(X->d32); free(X->s32); free(X->bs32); free(X->qk); free(X->dk); free(X->bk); free(X->b32k);
 }
 
 /* Returns 0, or -1 out of memory (X freed). */
@@ -123,6 +129,7 @@ static int xquant_alloc(xquant *X, int64_t M, int64_t K, int need32, int needk) 
         X->q32 = alloc64(M * K + 64);
         X->d32 = malloc(sizeof(float) * (M * (K / 32) + 1));
         X->s32 = malloc(sizeof(float) * (M * (K / 32) + 1));
+        X->bs32 = malloc(sizeof(int16_t) * (M * (K / 32) + 1));
     }
     if (needk) {
         X->qk = alloc64(M * K + 64);
@@ -130,7 +137,7 @@ static int xquant_alloc(xquant *X, int64_t M, int64_t K, int need32, int needk) 
         X->bk = alloc64(sizeof(int16_t) * (M * (K / 16) + 32));
         X->b32k = alloc64(sizeof(int16_t) * (M * (K / 32) + 32));
     }
-    if ((need32 && (!X->q32 || !X->d32 || !X->s32)) || (needk && (!X->qk || !X->dk || !X->bk || !X->b32k))) {
+    if ((need32 && (!X->q32 || !X->d32 || !X->s32 || !X->bs32)) || (needk && (!X->qk || !X->dk || !X->bk || !X->b32k))) {
         xquant_free(X);
         return -1;
     }
@@ -142,7 +149,7 @@ static void xquant_fill(const xquant *X, const float *x, int64_t M, int64_t K) {
     if (X->q32) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * (K / 32); i++)
-            quantize_block(x + i * 32, 32, X->q32 + i * 32, X->d32 + i, NULL, X->s32 + i);
+            X->bs32[i] = (int16_t)quantize_block(x + i * 32, 32, X->q32 + i * 32, X->d32 + i, NULL, X->s32 + i);
     }
     if (X->qk) {
 #pragma omp for schedule(static)
@@ -162,8 +169,7 @@ static void packed_part_tile(const gq_part *parts, int nparts, int64_t i, int64_
         if (P->packed && i < P->n / 16) {
             int64_t cols[16];
             for (int n = 0; n < 16; n++) cols[n] = off + (P->perm ? P->perm[16 * i + n] : 16 * i + n);
-            packed_tile(P->type, P->packed + i * (K / 256) * packed_sb_bytes(P->type), K / 256, M, X, K, bias, cols,
-                        !P->perm, y, N);
+            packed_tile(P->type, P->packed + i * packed_tile_bytes(P->type, K), M, X, K, bias, cols, !P->perm, y, N);
             return;
         }
         if (P->packed) i -= P->n / 16;
@@ -384,8 +390,10 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
             for (int v = 0; v < tiles; v++) {
-                if (P->packed) /* repacked at load: only unpacked here */
-                    expand_packed(P->type, P->packed + (r0 / 16 + v) * (K / 256) * packed_sb_bytes(P->type), K, kt + v);
+                if (P->packed && family(P->type) == FAM_32) /* repacked at load: only unpacked here */
+                    expand_packed32(P->type, P->packed + (r0 / 16 + v) * packed_tile_bytes(P->type, K), K, kt + v);
+                else if (P->packed)
+                    expand_packed(P->type, P->packed + (r0 / 16 + v) * packed_tile_bytes(P->type, K), K, kt + v);
                 else
                     pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             }
@@ -411,20 +419,22 @@ int gq_gemm_type(int t) {
 #endif
 }
 
-/* out[(n / 16) * (K / 256) * gq_packed_sb_bytes(t)] = the n rows (a multiple of 16) of a Q4_K or Q6_K
- * tensor w, repacked (gq_packed.h). Returns 0, or -3 where the type, n or K do not fit. */
+/* out[gq_packed_bytes(t, n, K)] = the n rows of w (type t, row_bytes each) repacked (gq_packed.h, gq_packed32.h).
+ * Returns 0, or -3 where the type, n, K or row_bytes do not fit (gq_packable). */
 int gq_pack(int t, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t K, uint8_t *out, int nthreads) {
-    if ((t != Q4_K && t != Q6_K) || n % 16 || K % 256 || row_bytes != K / 256 * block_bytes(t)) return -3;
+    if (!packable(t, n, K) || row_bytes != K / block_values(t) * block_bytes(t)) return -3;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < n / 16; i++) {
         if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, i, i + 1, out);
-        else pack_q4k_tiles(w, row_bytes, K, i, i + 1, out);
+        else if (t == Q4_K) pack_q4k_tiles(w, row_bytes, K, i, i + 1, out);
+        else pack_32_tiles(t, w, row_bytes, K, i, i + 1, out);
     }
     return 0;
 }
 
-int gq_packed_sb_bytes(int t) { return (int)packed_sb_bytes(t); }
+int gq_packable(int t, int64_t n, int64_t K) { return packable(t, n, K); }
+int64_t gq_packed_bytes(int t, int64_t n, int64_t K) { return n / 16 * packed_tile_bytes(t, K); }
 
 /* Which build this is: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 portable C. */
 int gq_isa(void) { return GQ_512 ? 3 : GQ_VNNI ? 2 : GQ_AVX2 ? 1 : 0; }

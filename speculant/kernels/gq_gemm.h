@@ -18,11 +18,11 @@
 #include "gq_decode.h"
 
 /* The activations of a pass, quantized as the parts' families need (gq.c's quantize_block): int8 rows [M][K];
- * per 32 values d and d * sum (32-blocks); per 256 d and the sums of each 16 and of each 32 (K-quants). */
+ * per 32 values d, d * sum and sum (32-blocks); per 256 d and the sums of each 16 and of each 32 (K-quants). */
 typedef struct {
     int8_t *q32, *qk;
     float *d32, *s32, *dk;
-    int16_t *bk, *b32k;
+    int16_t *bs32, *bk, *b32k;
 } xquant;
 
 #if GQ_AVX2

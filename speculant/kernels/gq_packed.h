@@ -267,26 +267,10 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 }
 #endif
 
-/* y[m, cols[n]] (+ bias) for the 16 outputs of one tile of type t (Q4_K or Q6_K) and all M rows, from the
- * activations X (int8 rows, d per 256, sums per 16 and per 32); contiguous: cols run cols[0] ... */
-static void packed_tile(int t, const uint8_t *tile, int64_t nsb, int64_t M, const xquant *X, int64_t K,
-                        const float *bias, const int64_t cols[16], int contiguous, float *y, int64_t N) {
-#if GQ_AVX2
-    for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
-        const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
-        vf_t out[GEMM_MR][2];
-        const int8_t *x = X->qk + m0 * K;
-        const float *d = X->dk + m0 * nsb;
-        const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
-#define PACKED_CASE(R)                                                                                        \
-    if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
-    else packed_rows(R, tile, nsb, x, K, d, s32, out);
-        GEMM_SWITCH(mc, PACKED_CASE);
-#undef PACKED_CASE
-        store_rows(out, mc, 1, bias, cols, contiguous, y + m0 * N, N);
-    }
-#else /* the same integers and float operations, one lane at a time */
-    (void)contiguous;
+/* packed_tile's portable lane loop for Q4_K and Q6_K: the canonical form, one lane at a time. */
+static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *X, int64_t K, const float *bias,
+                           const int64_t cols[16], float *y, int64_t N) {
+    const int64_t nsb = K / 256;
     const int8_t *xq = X->qk;
     const float *xd = X->dk;
     const int16_t *b16 = X->bk, *b32 = X->b32k;
@@ -341,7 +325,6 @@ static void packed_tile(int t, const uint8_t *tile, int64_t nsb, int64_t M, cons
             }
             y[m * N + cols[n]] = bias ? acc + bias[cols[n]] : acc;
         }
-#endif
 }
 
 #endif /* SPECULANT_GQ_PACKED_H */

@@ -5,8 +5,9 @@ whole rows in one GGML type ([rows, row_bytes], usually a read-only memory map o
 q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permutation (llama files
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
-Q4_K and Q6_K parts memory-mapped from a file are repacked at load into 16-row tiles with one output per
-lane (`packed_part`, gq_packed.h), which every pass reads; the file's pages under them are released.
+Q4_K, Q6_K and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked at load
+into 16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed32.h), which every pass
+reads; the file's pages under them are released.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
 Longer passes (prompt prefill) take the best of `prefill_routes()`: the block types an integer GEMM with
 an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with AMX, weights
@@ -50,23 +51,26 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
                 ("row_bytes", ctypes.c_int64), ("perm", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
-# the types repacked at load into 16-row tiles (gq_packed.h)
-PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+# the types repacked at load into 16-row tiles (gq_packed.h, gq_packed32.h), where whole tiles fit (gq_packable)
+PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
+                GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+                GGMLQuantizationType.Q8_0)
 
 
 def packed_part(lib: ctypes.CDLL, p: Part, k: int, pack: bool | None = None) -> np.ndarray | None:
-    """The part's rows repacked 16 at a time (gq_packed.h: one output per lane, read by every pass), for Q4_K
-    and Q6_K parts of whole 16-row tiles; None for the others, which the kernels read as the file stores them.
+    """The part's rows repacked 16 at a time (one output per lane, read by every pass), for parts of
+    PACKED_TYPES that make whole tiles (gq_packable: 16-row multiples; K a multiple of 256 for the K-quants,
+    of 64 for the 32-blocks); None for the others, which the kernels read as the file stores them.
     pack=None repacks only parts memory-mapped from a file, whose pages are then released: blocks held in
     memory (an HF folder quantized on load) would stay beside their tiles, doubling their memory."""
-    if p.qtype not in PACKED_TYPES or p.rows % 16 or not ggml_available() or pack is False:
+    if pack is False or not ggml_available() or not lib.gq_packable(p.qtype, p.rows, k):
         return None
     if pack is None and _file_mapping(p.data) is None:
         return None
     # An anonymous mapping: page-aligned, and without the transparent huge pages numpy asks for on large
     # arrays, which made this stream slower (1.5B, gate_up of 28 layers at M = 1: 10.7-11.4 ms on numpy's
     # huge pages, 7.6-7.7 ms on 4 KB pages; AMD EPYC, THP in madvise mode)
-    out = np.frombuffer(mmap.mmap(-1, p.rows // 16 * (k // 256) * lib.gq_packed_sb_bytes(p.qtype)), dtype=np.uint8)
+    out = np.frombuffer(mmap.mmap(-1, lib.gq_packed_bytes(p.qtype, p.rows, k)), dtype=np.uint8)
     if lib.gq_pack(p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1], k, out.ctypes.data, torch.get_num_threads()):
         raise SpeculantError(f"repacking a {GGMLQuantizationType(p.qtype).name} tensor of {p.rows} rows of {k} "
                              f"values failed")
@@ -168,7 +172,8 @@ def row_bytes(qtype: int, k: int) -> int:
 
 class GGMLLinear(QLinear):
     def __init__(self, parts: list[Part], in_features: int, bias: Tensor | None = None,
-                 pack: bool | None = None) -> None:  # pack: see packed_part
+                 pack: bool | None = None, packed: list[np.ndarray | None] | None = None) -> None:
+        """pack: see packed_part; packed: the parts' tiles, already repacked (first_rows' views)."""
         super().__init__()
         self.parts = parts
         self.in_features = in_features
@@ -180,7 +185,7 @@ class GGMLLinear(QLinear):
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._lib = native.gq_library()
         table = (_Part * len(parts))()
-        self._packed = [packed_part(self._lib, p, in_features, pack) for p in parts]
+        self._packed = packed or [packed_part(self._lib, p, in_features, pack) for p in parts]
         for row, p, packed in zip(table, parts, self._packed):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
@@ -266,12 +271,17 @@ class GGMLLinear(QLinear):
         return out
 
     def first_rows(self, n: int) -> "GGMLLinear":
-        """Output rows [0, n) (a draft head over a reduced vocabulary): a view, no copy."""
+        """Output rows [0, n) (a draft head over a reduced vocabulary): a view, no copy; of the layer's tiles
+        where it is repacked and n is a whole number of them."""
         if len(self.parts) != 1 or self.parts[0].perm is not None:
             raise SpeculantError("only a single unpermuted GGML layer can be cut to its first rows")
-        p = self.parts[0]
+        p, tiles = self.parts[0], self._packed[0]
+        n = min(n, p.rows)
         bias = None if self.bias is None else self.bias.data[:n]
-        return GGMLLinear([Part(p.qtype, p.data[: min(n, p.rows)])], self.in_features, bias)
+        part = Part(p.qtype, p.data[:n])
+        if tiles is not None and n % 16 == 0:
+            return GGMLLinear([part], self.in_features, bias, packed=[tiles[: self._lib.gq_packed_bytes(p.qtype, n, self.in_features)]])
+        return GGMLLinear([part], self.in_features, bias)
 
     def state(self) -> dict[str, Tensor]:
         if len(self.parts) != 1 or self.parts[0].perm is not None:
