@@ -100,18 +100,6 @@ typedef struct {
     const uint8_t *packed; /* or NULL: the rows repacked by gq_pack (gq_packed.h), which every pass reads */
 } gq_part;
 
-#define ROW_SWITCH(mc, BODY)                                                                        \
-    switch (mc) {                                                                                   \
-    case 1: BODY(1); break;                                                                         \
-    case 2: BODY(2); break;                                                                         \
-    case 3: BODY(3); break;                                                                         \
-    case 4: BODY(4); break;                                                                         \
-    case 5: BODY(5); break;                                                                         \
-    case 6: BODY(6); break;                                                                         \
-    case 7: BODY(7); break;                                                                         \
-    default: BODY(8); break;                                                                        \
-    }
-
 /* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every
  * one across two cache lines. Harness (gq.c in a C timer, 1 thread, 2048 rows in cache, AMD EPYC), ns per 256
  * values, malloc -> aligned: Q5_0 x 896 M=8 50.5 -> 47.1-47.4, Q8_0 M=8 48.2-48.3 -> 46.1-46.6, Q4_K x 1536 M=8

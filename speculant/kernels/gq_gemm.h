@@ -322,7 +322,7 @@ static inline __attribute__((always_inline)) void gemm_32_rows(const int R, cons
     }
 
 /* Rows y[m, cols[n]] (m < mc, n < 16 tiles) = out[m] (+ bias[cols[n]]); contiguous: cols run cols[0] ... */
-static void store_rows(vf_t out[GEMM_MR][2], int mc, int tiles, const float *bias, const int64_t *cols,
+static void store_rows(vf_t (*out)[2], int mc, int tiles, const float *bias, const int64_t *cols,
                        int contiguous, float *y, int64_t N) {
     float bv[32] = {0};
     if (bias)

@@ -28,6 +28,18 @@
 #ifndef SPECULANT_GQ_PACKED_H
 #define SPECULANT_GQ_PACKED_H
 
+/* The most activation rows of a pass over a packed tile. 8 on AVX-512: a verification pass of 5-8 rows unpacks each
+ * tile once, where passes of 4 unpacked it twice (1.5B linears of 28 layers, /tmp/rows15.py, ms at M = 5 / 8:
+ * gate_up 15.0 / 19.9 -> 13.0 / 15.5, output Q6_K 6.1 / 6.7 -> 5.2 / 6.1; at 35-39 GB/s). The 256-bit builds' 16
+ * registers keep 4. */
+#if GQ_512
+#define PACKED_MR 8
+#define PACKED_SWITCH ROW_SWITCH
+#else
+#define PACKED_MR 4
+#define PACKED_SWITCH GEMM_SWITCH
+#endif
+
 #define PACK_SB_BYTES 2560
 #define PK_SC 2048
 #define PK_MN 2176
@@ -104,19 +116,19 @@ static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
 /* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
 static inline __attribute__((always_inline)) void packed_rows(const int R, const uint8_t *tile, const int64_t nsb,
                                                               const int8_t *xq, const int64_t K, const float *xd,
-                                                              const int16_t *b32, vf_t out[GEMM_MR][2]) {
+                                                              const int16_t *b32, vf_t out[PACKED_MR][2]) {
     const int NV = 16 / VL;
-    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
+    vf_t acc[PACKED_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK_SB_BYTES;
         for (int l = 0; l < PACK_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
-        vi_t S[GEMM_MR][2];
+        vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
         for (int j = 0; j < 4; j++) { /* sub-blocks j (low nibbles) and j + 4 (high) */
-            vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2];
+            vi_t Il[PACKED_MR][2], Ih[PACKED_MR][2];
             SET_RV(Il, R, NV, VI_ZERO());
             SET_RV(Ih, R, NV, VI_ZERO());
 #pragma GCC unroll 8
@@ -165,20 +177,20 @@ static inline vi_t q6_high(vi_t h, int f) {
 /* packed_rows for Q6_K: b16 [R][K / 16] (sums of x per 16). */
 static inline __attribute__((always_inline)) void packed6_rows(const int R, const uint8_t *tile, const int64_t nsb,
                                                                const int8_t *xq, const int64_t K, const float *xd,
-                                                               const int16_t *b16, vf_t out[GEMM_MR][2]) {
+                                                               const int16_t *b16, vf_t out[PACKED_MR][2]) {
     const int NV = 16 / VL;
-    vf_t acc[GEMM_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
+    vf_t acc[PACKED_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK6_SB_BYTES;
         for (int l = 0; l < PACK6_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
-        vi_t S[GEMM_MR][2], Mn[GEMM_MR][2];
+        vi_t S[PACKED_MR][2], Mn[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         SET_RV(Mn, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
         for (int s = 0; s < 8; s++) { /* groups s (values 16s ..) and 8 + s (128 + 16s ..) */
-            vi_t Il[GEMM_MR][2], Ih[GEMM_MR][2], hl[2], hh[2];
+            vi_t Il[PACKED_MR][2], Ih[PACKED_MR][2], hl[2], hh[2];
             SET_RV(Il, R, NV, VI_ZERO());
             SET_RV(Ih, R, NV, VI_ZERO());
             for (int v = 0; v < NV; v++) {

@@ -83,10 +83,10 @@ static inline vi_t q5_high(vi_t h, int g) {
 static inline __attribute__((always_inline)) void packed32_rows(const int R, const int T, const uint8_t *tile,
                                                                 const int64_t nb, const int8_t *xq, const int64_t K,
                                                                 const float *xd, const float *xs, const int16_t *bs,
-                                                                vf_t out[GEMM_MR][2]) {
+                                                                vf_t out[PACKED_MR][2]) {
     const int NV = 16 / VL, qs = pk32_qs(T), c = T == Q8_0 ? Q8_BIAS : pk32_offset(T);
     const int64_t pb = pk32_pair_bytes(T);
-    vf_t acc[GEMM_MR][2]; /* in registers, as packed_rows */
+    vf_t acc[PACKED_MR][2]; /* in registers, as packed_rows */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t b = 0; b < nb; b++) {
@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void packed32_rows(const int R, con
         if (!h)
             for (int l = 0; l < pb; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
         const int8_t *x = xq + 32 * b;
-        vi_t I[GEMM_MR][2];
+        vi_t I[PACKED_MR][2];
         for (int m = 0; m < R; m++)
             for (int v = 0; v < NV; v++) I[m][v] = VI_SET1(-c * bs[m * nb + b]);
         if (pk32_nib(T)) {
@@ -223,9 +223,11 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
                         const int64_t cols[16], int contiguous, float *y, int64_t N) {
     const int64_t nsb = K / 256, nb = K / 32;
 #if GQ_AVX2
-    for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
-        const int mc = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
-        vf_t out[GEMM_MR][2];
+    for (int64_t m0 = 0, mc; m0 < M; m0 += mc) {
+        /* rows spread evenly over the passes: 5 rows in passes of 4 as 3 + 2, not 4 + 1 (too few chains) */
+        const int64_t passes = (M - m0 + PACKED_MR - 1) / PACKED_MR;
+        mc = (M - m0 + passes - 1) / passes;
+        vf_t out[PACKED_MR][2];
         if (family(t) == FAM_32) {
             const int8_t *x = X->q32 + m0 * K;
             const float *d = X->d32 + m0 * nb, *s = X->s32 + m0 * nb;
@@ -238,7 +240,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     case Q5_1: packed32_rows(R, Q5_1, tile, nb, x, K, d, s, bs, out); break;                                  \
     default: packed32_rows(R, Q8_0, tile, nb, x, K, d, s, bs, out); break;                                    \
     }
-            GEMM_SWITCH(mc, P32_CASE);
+            PACKED_SWITCH(mc, P32_CASE);
 #undef P32_CASE
         } else {
             const int8_t *x = X->qk + m0 * K;
@@ -247,10 +249,10 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_CASE(R)                                                                                        \
     if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
     else packed_rows(R, tile, nsb, x, K, d, s32, out);
-            GEMM_SWITCH(mc, PACKED_CASE);
+            PACKED_SWITCH(mc, PACKED_CASE);
 #undef PACKED_CASE
         }
-        store_rows(out, mc, 1, bias, cols, contiguous, y + m0 * N, N);
+        store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);
     }
 #else /* the same integers and float operations, one lane at a time */
     (void)contiguous;

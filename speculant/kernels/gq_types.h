@@ -30,6 +30,20 @@ enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K 
 enum { FAM_F = 0, FAM_32 = 1, FAM_K = 2 };
 #define MAXR 8   /* activation rows per pass over a decoded weight row */
 
+/* BODY(R) for R = mc (1..MAXR) activation rows as a compile-time constant */
+#define ROW_SWITCH(mc, BODY)                                                                        \
+    switch (mc) {                                                                                   \
+    case 1: BODY(1); break;                                                                         \
+    case 2: BODY(2); break;                                                                         \
+    case 3: BODY(3); break;                                                                         \
+    case 4: BODY(4); break;                                                                         \
+    case 5: BODY(5); break;                                                                         \
+    case 6: BODY(6); break;                                                                         \
+    case 7: BODY(7); break;                                                                         \
+    default: BODY(8); break;                                                                        \
+    }
+
+
 static int family(int t) {
     switch (t) {
     case F32: case F16: case BF16: return FAM_F;
