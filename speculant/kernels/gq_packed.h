@@ -140,11 +140,8 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     wh[v] = VI_AND(VI_SRLI16(q, 4), lo4);
                 }
                 for (int m = 0; m < R; m++) {
-                    const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
-                    for (int v = 0; v < NV; v++) {
-                        Il[m][v] = VDP_U8(Il[m][v], wl[v], xl);
-                        Ih[m][v] = VDP_U8(Ih[m][v], wh[v], xh);
-                    }
+                    DP_BCAST(Il[m], wl, x + m * K + 4 * g, NV);
+                    DP_BCAST(Ih[m], wh, x + m * K + 128 + 4 * g, NV);
                 }
             }
             for (int v = 0; v < NV; v++) {
@@ -207,11 +204,8 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
                     wh[v] = VI_OR(VI_AND(VI_SRLI16(q, 4), lo4), q6_high(hh[v], f));
                 }
                 for (int m = 0; m < R; m++) {
-                    const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
-                    for (int v = 0; v < NV; v++) {
-                        Il[m][v] = VDP_U8(Il[m][v], wl[v], xl);
-                        Ih[m][v] = VDP_U8(Ih[m][v], wh[v], xh);
-                    }
+                    DP_BCAST(Il[m], wl, x + m * K + 4 * g, NV);
+                    DP_BCAST(Ih[m], wh, x + m * K + 128 + 4 * g, NV);
                 }
             }
             for (int v = 0; v < NV; v++) {

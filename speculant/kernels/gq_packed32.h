@@ -63,14 +63,21 @@ static void pack_32_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K,
 #define VI_SRLI32(v, n) _mm256_srli_epi32(v, n)
 #define VI_XOR(a, b) _mm256_xor_si256(a, b)
 #endif
-#if GQ_VNNI /* Q8_0's signed bytes: q + 128 (a flipped sign bit) times x, less 128 * sum(x) in the chain's start */
+/* Q8_0's q times x: Q8_U(w) once per weight vector, then Q8_DP(I, w, p, NV) per activation row (as DP_BCAST) */
+#if GQ_VNNI /* q + 128 (a flipped sign bit) times x, less 128 * sum(x) in the chain's start */
 #define Q8_BIAS 128
-#define VDP_Q8(acc, w, x) VDP_U8(acc, VI_XOR(w, VI_SET1((int)0x80808080)), x)
+#define Q8_U(w) VI_XOR(w, VI_SET1((int)0x80808080))
+#define Q8_DP DP_BCAST
 #else /* |q| times x with q's sign: vpmaddubsw's pair sums stay within 2 * 128 * 127 */
 #define Q8_BIAS 0
-#define VDP_Q8(acc, w, x)                                                                                     \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), \
-                                            _mm256_set1_epi16(1)))
+#define Q8_U(w) (w)
+#define Q8_DP(I, w, p, NV)                                                                                    \
+    do {                                                                                                      \
+        const vi_t x_ = bcast4(p);                                                                            \
+        for (int v_ = 0; v_ < (NV); v_++)                                                                     \
+            (I)[v_] = _mm256_add_epi32((I)[v_], _mm256_madd_epi16(_mm256_maddubs_epi16(                       \
+                _mm256_sign_epi8((w)[v_], (w)[v_]), _mm256_sign_epi8(x_, (w)[v_])), _mm256_set1_epi16(1)));     \
+    } while (0)
 #endif
 
 /* quad g's (0..7) fifth bits of a qh vector, at bit 4 of each byte */
@@ -115,22 +122,16 @@ static inline __attribute__((always_inline)) void packed32_rows(const int R, con
                     }
                 }
                 for (int m = 0; m < R; m++) {
-                    const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 16 + 4 * g);
-                    for (int v = 0; v < NV; v++) {
-                        I[m][v] = VDP_U8(I[m][v], wl[v], xl);
-                        I[m][v] = VDP_U8(I[m][v], wh[v], xh);
-                    }
+                    DP_BCAST(I[m], wl, x + m * K + 4 * g, NV);
+                    DP_BCAST(I[m], wh, x + m * K + 16 + 4 * g, NV);
                 }
             }
         } else {
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 vi_t w[2];
-                for (int v = 0; v < NV; v++) w[v] = VI_LOAD(q + 64 * g + 4 * VL * v);
-                for (int m = 0; m < R; m++) {
-                    const vi_t xv = bcast4(x + m * K + 4 * g);
-                    for (int v = 0; v < NV; v++) I[m][v] = VDP_Q8(I[m][v], w[v], xv);
-                }
+                for (int v = 0; v < NV; v++) w[v] = Q8_U(VI_LOAD(q + 64 * g + 4 * VL * v));
+                for (int m = 0; m < R; m++) Q8_DP(I[m], w, x + m * K + 4 * g, NV);
             }
         }
         for (int v = 0; v < NV; v++) {
