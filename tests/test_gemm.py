@@ -60,7 +60,7 @@ def test_gemm_takes_rows_of_any_whole_number_of_32_blocks(K, pack):
     in Q5_0, 40 rows; from the file's blocks or the repacked tiles (K = 896 only: pairs of blocks)."""
     data = random_blocks(T.Q5_0, 32, K, seed=7)
     lin = GGMLLinear([Part(int(T.Q5_0), data)], K, pack=pack)
-    assert (lin._packed[0] is not None) == (pack and K % 64 == 0)
+    assert (lin.tiles()[0] is not None) == (pack and K % 64 == 0)
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(4))
     ref = q8_reference(x, T.Q5_0) @ torch.from_numpy(dequant(T.Q5_0, data, K)).double().T
     for name, lib in builds():

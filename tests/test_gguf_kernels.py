@@ -80,7 +80,7 @@ def test_each_type_matches_a_float64_reference(t, pack):
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
     ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, data, K)).double().T
     lin = GGMLLinear([Part(int(t), data)], K, pack=pack)
-    assert (lin._packed[0] is not None) == (pack and t in PACKED_TYPES)
+    assert (lin.tiles()[0] is not None) == (pack and t in PACKED_TYPES)
     for name, lib in builds():
         y = matmul(lib, [Part(int(t), data)], x, K, pack=pack).double()
         err = (y - ref).abs().max() / ref.abs().max()
@@ -185,17 +185,21 @@ def test_an_odd_count_of_32_blocks_is_exact_and_bit_identical_everywhere():
 
 @pytest.mark.parametrize("t", [T.Q5_0, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
 def test_a_reduced_head_reads_its_layers_tiles(t):
-    """first_rows of a repacked layer (a draft's reduced vocabulary) is a view of the layer's tiles, not a
-    second copy, and gives the layer's first rows bit for bit; a cut inside a tile repacks nothing."""
+    """Layers repack on first use. first_rows of a layer not yet used (a draft's full output layer, of which
+    only the reduced head runs) repacks its own rows and leaves the layer unpacked; of a layer in use, it
+    views the layer's tiles. Both give the layer's first rows bit for bit; a cut inside a tile repacks nothing."""
     K = 512
     lin = GGMLLinear([Part(int(t), random_blocks(t, 64, K, seed=3))], K, pack=True)
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    early = lin.first_rows(32)
+    assert early.tiles()[0] is not None and lin._packed is None
+    y = lin(x)
     head = lin.first_rows(32)
-    assert head._packed[0] is not None and np.shares_memory(head._packed[0], lin._packed[0])
-    assert torch.equal(head(x), lin(x)[:, :32])
+    assert head.tiles()[0] is not None and np.shares_memory(head.tiles()[0], lin.tiles()[0])
+    assert torch.equal(head(x), y[:, :32]) and torch.equal(early(x), y[:, :32])
     odd = lin.first_rows(40)
-    assert odd._packed[0] is None and odd.out_features == 40
-    assert torch.allclose(odd(x), lin(x)[:, :40], rtol=1e-4, atol=1e-4)  # the file layout's canonical form
+    assert odd.tiles()[0] is None and odd.out_features == 40
+    assert torch.allclose(odd(x), y[:, :40], rtol=1e-4, atol=1e-4)  # the file layout's canonical form
 
 
 def test_permuted_parts_land_in_their_columns():

@@ -124,4 +124,9 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
     model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
                               calibration_ids=calib)
-    return LoadedModel(name=spec, path=path, model=model.to(dev), tokenizer=tokenizer, dtype=dtype)
+    model = model.to(dev)
+    if dev.type == "cpu":
+        # The fused block loop, built now: its layers repack here (load time), not in the first request. The
+        # output layer repacks on its first use, and never for a draft model, which runs its first rows only.
+        model.fused_blocks()
+    return LoadedModel(name=spec, path=path, model=model, tokenizer=tokenizer, dtype=dtype)

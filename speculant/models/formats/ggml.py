@@ -51,6 +51,7 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
                 ("row_bytes", ctypes.c_int64), ("perm", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
+_PACK_ROWS = 4096  # rows repacked per step (a multiple of 16)
 # the types repacked at load into 16-row tiles (gq_packed.h, gq_packed32.h), where whole tiles fit (gq_packable)
 PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
                 GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
@@ -71,10 +72,16 @@ def packed_part(lib: ctypes.CDLL, p: Part, k: int, pack: bool | None = None) -> 
     # arrays, which made this stream slower (1.5B, gate_up of 28 layers at M = 1: 10.7-11.4 ms on numpy's
     # huge pages, 7.6-7.7 ms on 4 KB pages; AMD EPYC, THP in madvise mode)
     out = np.frombuffer(mmap.mmap(-1, lib.gq_packed_bytes(p.qtype, p.rows, k)), dtype=np.uint8)
-    if lib.gq_pack(p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1], k, out.ctypes.data, torch.get_num_threads()):
-        raise SpeculantError(f"repacking a {GGMLQuantizationType(p.qtype).name} tensor of {p.rows} rows of {k} "
-                             f"values failed")
-    _release_file_pages(p.data)
+    # A chunk of rows at a time, each chunk's file pages released before the next: the file's pages and the
+    # tiles of a large tensor (the 1.5B's 191 MB output layer) are never resident together
+    for r0 in range(0, p.rows, _PACK_ROWS):
+        rows = p.data[r0:r0 + _PACK_ROWS]
+        if lib.gq_pack(p.qtype, rows.ctypes.data, rows.shape[0], p.data.shape[1], k,
+                       out.ctypes.data + lib.gq_packed_bytes(p.qtype, r0, k), torch.get_num_threads()):
+            raise SpeculantError(f"repacking a {GGMLQuantizationType(p.qtype).name} tensor of {p.rows} rows of {k} "
+                                 f"values failed")
+        _release_file_pages(rows)
+    _release_file_pages(p.data)  # the pages straddling two chunks
     return out
 
 
@@ -173,7 +180,9 @@ def row_bytes(qtype: int, k: int) -> int:
 class GGMLLinear(QLinear):
     def __init__(self, parts: list[Part], in_features: int, bias: Tensor | None = None,
                  pack: bool | None = None, packed: list[np.ndarray | None] | None = None) -> None:
-        """pack: see packed_part; packed: the parts' tiles, already repacked (first_rows' views)."""
+        """pack: see packed_part; packed: the parts' tiles, already repacked (first_rows' views). Parts are
+        repacked on first use (`tiles`), so a layer never multiplied never holds tiles: a draft model's full
+        output layer, whose first rows alone (`first_rows`) are its reduced head."""
         super().__init__()
         self.parts = parts
         self.in_features = in_features
@@ -184,15 +193,29 @@ class GGMLLinear(QLinear):
                                      f"hold rows of {in_features} values")
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._lib = native.gq_library()
-        table = (_Part * len(parts))()
-        self._packed = packed or [packed_part(self._lib, p, in_features, pack) for p in parts]
-        for row, p, packed in zip(table, parts, self._packed):
+        self._pack = pack
+        self._packed: list[np.ndarray | None] | None = None
+        self._table = (_Part * len(parts))()
+        for row, p in zip(self._table, parts):
             row.type, row.w, row.n, row.row_bytes = p.qtype, p.data.ctypes.data, p.rows, p.data.shape[1]
             row.perm = None if p.perm is None else p.perm.ctypes.data
-            row.packed = None if packed is None else packed.ctypes.data
-        self._table = table
+        if packed is not None:
+            self._set_tiles(packed)
         # gq_gemm's parts: whole 16-row tiles of a type it multiplies here
         self._gemm = all(self._lib.gq_gemm_type(p.qtype) and p.rows % 16 == 0 for p in parts)
+
+    def tiles(self) -> list[np.ndarray | None]:
+        """The parts' repacked tiles (None: read in the file's layout), repacked now if not yet."""
+        if self._packed is None:
+            tiles = [packed_part(self._lib, p, self.in_features, self._pack) for p in self.parts]
+            if self._packed is None:  # another thread may have packed meanwhile (gq_pack releases the GIL): keep its
+                self._set_tiles(tiles)
+        return self._packed
+
+    def _set_tiles(self, tiles: list[np.ndarray | None]) -> None:
+        for row, t in zip(self._table, tiles):
+            row.packed = None if t is None else t.ctypes.data
+        self._packed = tiles
 
     def extra_repr(self) -> str:
         kinds = "+".join(GGMLQuantizationType(p.qtype).name for p in self.parts)
@@ -206,7 +229,8 @@ class GGMLLinear(QLinear):
 
     @property
     def table(self):
-        """The parts as gq.c's gq_part array (for the fused block loop)."""
+        """The parts as gq.c's gq_part array (for the fused block loop), their tiles repacked."""
+        self.tiles()
         return self._table
 
     def forward(self, x: Tensor) -> Tensor:  # x [M, K] -> [M, N]
@@ -217,17 +241,19 @@ class GGMLLinear(QLinear):
         M, K = x.shape
         if K != self.in_features:
             raise SpeculantError(f"a GGML linear layer expects {self.in_features} input features, got {K}")
+        y = torch.empty(M, self.out_features, dtype=torch.float32)
+        if not M:  # no rows (a prefill that wants no logits): nothing to multiply, nothing to repack
+            return y
         route = "rows" if M <= SHORT_PASS_MAX else next(r for r in prefill_routes() if r != "gemm" or self._gemm)
+        table = self.table
         if route == "bf16":
             return self._forward_bf16(x)
-        y = torch.empty(M, self.out_features, dtype=torch.float32)
-        if M:
-            bias = None if self.bias is None else self.bias.data_ptr()
-            kernel = self._lib.gq_gemm if route == "gemm" else self._lib.gq_matmul
-            rc = kernel(self._table, len(self.parts), x.data_ptr(), M, K, bias, y.data_ptr(), self.out_features,
-                        torch.get_num_threads())
-            if rc:
-                raise SpeculantError(_ERRORS.get(rc, f"the GGML matmul failed ({rc})"))
+        bias = None if self.bias is None else self.bias.data_ptr()
+        kernel = self._lib.gq_gemm if route == "gemm" else self._lib.gq_matmul
+        rc = kernel(table, len(self.parts), x.data_ptr(), M, K, bias, y.data_ptr(), self.out_features,
+                    torch.get_num_threads())
+        if rc:
+            raise SpeculantError(_ERRORS.get(rc, f"the GGML matmul failed ({rc})"))
         return y
 
     def _forward_bf16(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, N]
@@ -272,16 +298,16 @@ class GGMLLinear(QLinear):
 
     def first_rows(self, n: int) -> "GGMLLinear":
         """Output rows [0, n) (a draft head over a reduced vocabulary): a view, no copy; of the layer's tiles
-        where it is repacked and n is a whole number of them."""
+        where it is already repacked and n is a whole number of them (else the rows repack on their first use)."""
         if len(self.parts) != 1 or self.parts[0].perm is not None:
             raise SpeculantError("only a single unpermuted GGML layer can be cut to its first rows")
-        p, tiles = self.parts[0], self._packed[0]
+        p, tiles = self.parts[0], None if self._packed is None else self._packed[0]
         n = min(n, p.rows)
         bias = None if self.bias is None else self.bias.data[:n]
         part = Part(p.qtype, p.data[:n])
         if tiles is not None and n % 16 == 0:
             return GGMLLinear([part], self.in_features, bias, packed=[tiles[: self._lib.gq_packed_bytes(p.qtype, n, self.in_features)]])
-        return GGMLLinear([part], self.in_features, bias)
+        return GGMLLinear([part], self.in_features, bias, self._pack)
 
     def state(self) -> dict[str, Tensor]:
         if len(self.parts) != 1 or self.parts[0].perm is not None:
