@@ -197,3 +197,23 @@ def test_conversion_cache_key_covers_quantizer_and_calibration(tmp_path, monkeyp
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "gguf" else real(name))
     assert cache_key(src, "q8_0", a) != before  # another gguf package quantizes differently
+
+
+def test_a_failed_x86_build_falls_back_to_the_portable_kernels_with_a_warning(monkeypatch, caplog):
+    """An x86 CPU whose kernel builds fail (a broken compiler, a bad edit) still runs, on the portable build,
+    and the user is told once instead of finding decoding many times slower."""
+    from speculant.errors import SpeculantError
+    from speculant.models import native
+
+    def broken(isa=None):
+        raise SpeculantError("compiling the native kernels with gcc failed: error: boom")
+
+    monkeypatch.setattr(native, "library", broken)
+    monkeypatch.setattr(native, "supported_isas", lambda: ["avx2"])
+    monkeypatch.delenv("SPECULANT_PORTABLE", raising=False)
+    native._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="speculant"):
+        first, second = native.gq_library(), native.gq_library()
+    assert first is native.portable_library() and second is first
+    warnings = [r.getMessage() for r in caplog.records if "portable C kernels run instead" in r.getMessage()]
+    assert len(warnings) == 1 and "boom" in warnings[0]

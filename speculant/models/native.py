@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -228,9 +229,15 @@ def gq_library() -> ctypes.CDLL:
     if os.environ.get("SPECULANT_PORTABLE") != "1":
         try:
             return library()
-        except SpeculantError:
-            pass
+        except SpeculantError as e:
+            if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
+                _warn_once(f"speculant: {e}; the portable C kernels run instead (the same results, many times slower)")
     return portable_library()
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger("speculant").warning(message)
 
 
 def available() -> bool:
