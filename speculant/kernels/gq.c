@@ -97,7 +97,7 @@ typedef struct {
     int64_t n;             /* rows of this part */
     int64_t row_bytes;
     const int32_t *perm;   /* or NULL: row r of the part goes to output column offset + perm[r] */
-    const uint8_t *packed; /* or NULL: the rows repacked by gq_pack (gq_packed.h), which every pass reads */
+    const uint8_t *packed; /* or NULL: the rows repacked by gq_pack (gq_packed*.h), which every pass reads */
 } gq_part;
 
 /* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every

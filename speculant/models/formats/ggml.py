@@ -5,9 +5,10 @@ whole rows in one GGML type ([rows, row_bytes], usually a read-only memory map o
 q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permutation (llama files
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
-Q4_K, Q6_K and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked at load
-into 16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed32.h), which every pass
-reads; the file's pages under them are released.
+Q4_K, Q6_K and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked into
+16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed32.h), which every pass reads;
+the file's pages under them are released. A layer repacks on its first use (`GGMLLinear.tiles`): the blocks
+at load (load_model builds the fused block loop), an output layer in its first pass with logits.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
 Longer passes (prompt prefill) take the best of `prefill_routes()`: the block types an integer GEMM with
 an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with AMX, weights
@@ -52,7 +53,7 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
 
 
 _PACK_ROWS = 4096  # rows repacked per step (a multiple of 16)
-# the types repacked at load into 16-row tiles (gq_packed.h, gq_packed32.h), where whole tiles fit (gq_packable)
+# the types repacked into 16-row tiles (gq_packed.h, gq_packed32.h), where whole tiles fit (gq_packable)
 PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
                 GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
                 GGMLQuantizationType.Q8_0)
@@ -208,7 +209,7 @@ class GGMLLinear(QLinear):
         """The parts' repacked tiles (None: read in the file's layout), repacked now if not yet."""
         if self._packed is None:
             tiles = [packed_part(self._lib, p, self.in_features, self._pack) for p in self.parts]
-            if self._packed is None:  # another thread may have packed meanwhile (gq_pack releases the GIL): keep its
+            if self._packed is None:  # another thread may have packed meanwhile (gq_pack releases the GIL): keep theirs
                 self._set_tiles(tiles)
         return self._packed
 
