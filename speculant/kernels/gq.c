@@ -27,10 +27,10 @@
  *    lane (b & 1) * 8 + j: acc = fma(sum of u*x over values 32b + 4j .. 4j + 3, d * dx, acc);
  *    t = fma(o, dx * sum(xq), t) in block order; y = hsum16(acc) + t
  *  F32/F16/BF16 (activations stay float): acc[e % 16] = fma(w[e], x[e], acc[e % 16]); y = hsum16(acc)
- *  Q4_K and Q6_K parts repacked at load (gq_part.packed, gq_packed.h), one output per lane: per superblock
+ *  Q4_K and Q6_K parts repacked (gq_part.packed, gq_packed.h), one output per lane: per superblock
  *    the exact S = sum of sc * (sum of u*x) over sub-blocks and Mn = sum of mn * (sum of x) (Q6_K: 32 sc), then
  *    acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc) in superblock order; y = acc
- *  32-block parts repacked at load (gq_packed32.h): per block the exact I = sum of q*x (q signed), then
+ *  32-block parts repacked (gq_packed32.h): per block the exact I = sum of q*x (q signed), then
  *    acc = fma(I, d * dx, acc) (Q4_1, Q5_1: and acc = fma(m, dx * sum(xq), acc)) in block order; y = acc
  */
 /* The parts, each included once into this one translation unit (so every helper stays static and inlined):
@@ -40,8 +40,8 @@
  *  gq_dot_32.h   32-block and float dot products, decoded and from raw blocks
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
  *  gq_gemm.h     prompt passes of the block types (an output per lane)
- *  gq_packed.h   Q4_K and Q6_K repacked at load, 16 rows per tile (an output per lane), for every pass
- *  gq_packed32.h the same for the 32-block types, and the packed tiles' dispatch
+ *  gq_packed.h   Q4_K and Q6_K repacked, 16 rows per tile (an output per lane), for every pass
+ *  gq_packed32.h the same for the 32-block types, and the dispatch over packed types (multiply, unpack, pack)
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
 #include "gq_decode.h"
@@ -378,10 +378,8 @@ int gq_gemm(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t
             int64_t cols[32];
             for (int n = 0; n < 16 * tiles; n++) cols[n] = off + (P->perm ? P->perm[r0 + n] : r0 + n);
             for (int v = 0; v < tiles; v++) {
-                if (P->packed && family(P->type) == FAM_32) /* repacked at load: only unpacked here */
-                    expand_packed32(P->type, P->packed + (r0 / 16 + v) * packed_tile_bytes(P->type, K), K, kt + v);
-                else if (P->packed)
-                    expand_packed(P->type, P->packed + (r0 / 16 + v) * packed_tile_bytes(P->type, K), K, kt + v);
+                if (P->packed) /* repacked: only unpacked here */
+                    expand_tile(P->type, P->packed + (r0 / 16 + v) * packed_tile_bytes(P->type, K), K, kt + v);
                 else
                     pack_tile(P->type, P->w + (r0 + 16 * v) * P->row_bytes, P->row_bytes, K, r, (int64_t)rbytes, kt + v);
             }
@@ -413,11 +411,7 @@ int gq_pack(int t, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t K, ui
     if (!packable(t, n, K) || row_bytes != K / block_values(t) * block_bytes(t)) return -3;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < n / 16; i++) {
-        if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, i, i + 1, out);
-        else if (t == Q4_K) pack_q4k_tiles(w, row_bytes, K, i, i + 1, out);
-        else pack_32_tiles(t, w, row_bytes, K, i, i + 1, out);
-    }
+    for (int64_t i = 0; i < n / 16; i++) pack_tiles(t, w, row_bytes, K, i, i + 1, out);
     return 0;
 }
 

@@ -264,6 +264,21 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #endif
 }
 
+#if GQ_AVX2
+/* Packed tile `tile` (any packed type) in gq_gemm.h's tile form, for prompt passes */
+static void expand_tile(int t, const uint8_t *tile, int64_t K, ktile *kt) {
+    if (family(t) == FAM_32) expand_packed32(t, tile, K, kt);
+    else expand_packed(t, tile, K, kt);
+}
+#endif
+
+/* Repacks tiles [t0, t1) of the rows w (type t, row_bytes apart) into out */
+static void pack_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
+    if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, t0, t1, out);
+    else if (t == Q4_K) pack_q4k_tiles(w, row_bytes, K, t0, t1, out);
+    else pack_32_tiles(t, w, row_bytes, K, t0, t1, out);
+}
+
 /* Whether n rows of K values of type t are repacked (whole tiles; pairs of 32-blocks or K-quant superblocks) */
 static int packable(int t, int64_t n, int64_t K) {
     if (n <= 0 || n % 16) return 0;
