@@ -254,19 +254,21 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
         /* The scales, VL lanes at a time: a scalar loop over lanes and groups here took more time than the
          * values (/tmp/gemmM.py: the 1.5B's gate_up linears cost ~68 ms per prompt pass before any row). */
         for (int v = 0; v < 16 / VL; v++) {
-            for (int g = 0; g < 16; g++) /* group g of 16 values (Q4_K: sub-block g / 2): sc */
-                VI_STORE(kt->SC + (sb * 16 + g) * 16 + VL * v, t == Q6_K ? VI_I8_32(o + P6_SC + 16 * g + VL * v)
-                                                                         : VI_U8_32(o + PK_SC + 16 * (g / 2) + VL * v));
-            for (int j = 0; j < 8; j++) { /* per lane the int16 pair (mn of group 2j, mn of group 2j + 1) */
-                vi_t mn;
-                if (t == Q6_K) /* 32 sc */
-                    mn = VI_OR(VI_AND(VI_SLLI32(VI_I8_32(o + P6_SC + 32 * j + VL * v), 5), VI_SET1(0xffff)),
-                               VI_SLLI32(VI_I8_32(o + P6_SC + 32 * j + 16 + VL * v), 21));
-                else { /* sub-block j's min twice: the low (j even) or high (j odd) half of the tile's pairs */
+            for (int j = 0; j < 8; j++) { /* groups 2j and 2j + 1 of 16 values (Q4_K: sub-block j): sc of each, and
+                                           * per lane the int16 pair (mn of group 2j, mn of group 2j + 1) */
+                vi_t s0, s1, mn;
+                if (t == Q6_K) { /* mn = 32 sc */
+                    s0 = VI_I8_32(o + P6_SC + 32 * j + VL * v);
+                    s1 = VI_I8_32(o + P6_SC + 32 * j + 16 + VL * v);
+                    mn = VI_OR(VI_AND(VI_SLLI32(s0, 5), VI_SET1(0xffff)), VI_SLLI32(s1, 21));
+                } else { /* sub-block j's min twice: the low (j even) or high (j odd) half of the tile's pairs */
+                    s0 = s1 = VI_U8_32(o + PK_SC + 16 * j + VL * v);
                     const vi_t w = VI_LOAD(o + PK_MN + 64 * (j / 2) + 4 * VL * v);
                     mn = j % 2 ? VI_OR(VI_AND(w, VI_SET1((int)0xffff0000)), VI_AND(VI_SRAI16(w), VI_SET1(0xffff)))
                                : VI_OR(VI_AND(w, VI_SET1(0xffff)), VI_SLLI16(w));
                 }
+                VI_STORE(kt->SC + (sb * 16 + 2 * j) * 16 + VL * v, s0);
+                VI_STORE(kt->SC + (sb * 16 + 2 * j + 1) * 16 + VL * v, s1);
                 VI_STORE(kt->MN + ((sb * 8 + j) * 16 + VL * v) * 2, mn);
             }
             VF_STORE(kt->D + sb * 16 + VL * v, VF_LOAD((const float *)(o + (t == Q6_K ? P6_D : PK_D)) + VL * v));
