@@ -129,3 +129,32 @@ def test_hf_folder_in_q4_k_runs_and_speculates_exactly(tmp_path: Path):
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     ar = Engine(loaded).generate(ids, gen).token_ids
     assert Engine(loaded, loaded, MethodConfig("draft")).generate(ids, gen).token_ids == ar
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])
+def test_converted_model_runs_from_the_cache_file_like_a_gguf(tmp_path: Path, fmt: str):
+    """A model quantized on load is read back from its conversion cache entry memory-mapped, on the first
+    load (right after the conversion) as on later ones: its blocks are views of the file, repacked into
+    tiles on first use like a GGUF file's (the fast kernels). The
+    logits are those of the same blocks held in memory (the unpacked kernels, which sum in another order:
+    equal to float rounding), and the same bits on every load."""
+    from speculant.models.formats.ggml import _file_mapping
+
+    folder = save_tiny(tmp_path, "Qwen2ForCausalLM", torch.bfloat16, hidden_size=256, intermediate_size=320,
+                       num_attention_heads=4, num_key_value_heads=2)
+    ids = [3, 17, 42, 5, 96, 0, 11, 64, 8, 8, 30]
+    in_memory = build_transformer(HFSource(folder), fmt, cache_dir=None, progress=False)
+    want = in_memory(torch.tensor(ids), in_memory.new_cache(len(ids))).logits
+    assert all(t is None for m in in_memory.modules() if isinstance(m, GGMLLinear) for t in m.tiles())
+    first = None
+    for load in ("converted", "cached"):
+        model = build_transformer(HFSource(folder), fmt, cache_dir=tmp_path / "cache", progress=False)
+        got = model(torch.tensor(ids), model.new_cache(len(ids))).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        first = got if first is None else first
+        assert torch.equal(got, first), load
+        linears = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+        assert all(_file_mapping(p.data) is not None for m in linears for p in m.parts), load
+        # every layer's parts make whole 16-row tiles but the 97-row output layer's, read as stored
+        assert all(t is not None for b in model.blocks for m in (b.qkv, b.o, b.gate_up, b.down) for t in m.tiles()), load
+

@@ -321,9 +321,10 @@ class GGMLLinear(QLinear):
         return out
 
     @classmethod
-    def from_state(cls, st: dict[str, Tensor]) -> "GGMLLinear":
+    def from_state(cls, st: dict[str, Tensor | np.ndarray]) -> "GGMLLinear":
         try:
-            part = Part(int(st["ggml_type"][0]), st["ggml_data"].numpy())
+            data = st["ggml_data"]  # a Tensor, or a view of the conversion cache's memory map (build._load_states)
+            part = Part(int(st["ggml_type"][0]), data if isinstance(data, np.ndarray) else data.numpy())
             return cls([part], int(st["ggml_k"][0]), st.get("bias"))
         except KeyError as e:
             raise SpeculantError(f"a saved GGML layer lacks {e}") from None
