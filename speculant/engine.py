@@ -34,7 +34,7 @@ from .methods.lookup_tree import LookupTreeDrafter
 from .methods.medusa import MedusaDrafter
 from .models import LoadedModel
 from .prefix import KeptPrefix, PromptCache
-from .runtime import configure_threads
+from .runtime import ThreadShare, configure_threads, threads_fixed
 from .sampling import Sampler, SamplingConfig
 from .stats import Stats
 from .tree import DraftTree
@@ -83,6 +83,10 @@ class Engine:
         # CPU threads as the CLI sets them: `threads`, else $SPECULANT_THREADS, else one per physical
         # core within the container's CPU quota (torch's own default counts every visible CPU).
         self.threads = configure_threads(threads)
+        # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where the
+        # target's logits do not depend on the thread count
+        adapt = not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
+        self._share = ThreadShare(self.threads) if adapt else None
         self.target = target
         self.draft = draft
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
@@ -115,7 +119,7 @@ class Engine:
         if name == self.method.name:
             return self
         return Engine(self.target, self.draft if name in MODEL_METHODS else None, replace(self.method, name=name),
-                      threads=self.threads)
+                      threads=self.threads if self._share is None else None)
 
     def prompt_cache(self, reuse: bool = True) -> PromptCache:
         """A prompt cache for a conversation: pass it to every `stream()` of it (one at a time).
@@ -238,6 +242,8 @@ class Engine:
             drafter.start(ids, **({"hidden": pre.hidden} if taps else {}))
         t_decode = time.perf_counter()
         stats.prefill_seconds += t_decode - t_draft
+        if self._share is not None:
+            self._share.start()
         pending = first
         ready = getattr(drafter, "ready", None)  # drafters that defer their prompt's prefill (draft_model.py)
         while not out.finished:
@@ -292,11 +298,12 @@ class Engine:
         yield from out.flush()
         yield Done(out.text, out.token_ids, out.reason, stats)
 
-    @staticmethod
-    def _finish_round(stats: Stats, governor: Governor, paused: bool, ta: float, tb: float, kd: int,
+    def _finish_round(self, stats: Stats, governor: Governor, paused: bool, ta: float, tb: float, kd: int,
                       n: int) -> None:
         now = time.perf_counter()
         governor.record(n + 1, now - ta)
+        if self._share is not None:
+            self._share.tick()  # after the round's clock: its rare /proc/stat read is no round's cost
         if paused:
             stats.record_paused(now - ta)
             return

@@ -196,6 +196,11 @@ class Transformer(nn.Module):
         n = min(max_len or c.context_length, c.context_length)
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, n, torch.float32, self.device)
 
+    def thread_invariant(self) -> bool:
+        """Whether every linear gives the same bits with any CPU thread count (formats/base.py)."""
+        linears = [self.lm_head] + [m for b in self.blocks for m in (b.qkv, b.o, b.gate_up, b.down)]
+        return all(m.thread_invariant for m in linears)
+
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (one embedding row, all projections, norms)."""
         n = self.lm_head.weight_bytes() + self.embed.row_bytes()

@@ -21,6 +21,9 @@ class QLinear(nn.Module):
 
     in_features: int
     out_features: int
+    # Whether a row's output is the same bits with any CPU thread count (each output summed by one thread),
+    # so the thread count may change between passes without changing a token (runtime.ThreadShare)
+    thread_invariant: bool = True
 
     def weight_bytes(self) -> int:
         """Bytes of weight data read by one forward (for bandwidth accounting)."""
@@ -37,6 +40,10 @@ class QLinear(nn.Module):
 
 
 class FloatLinear(QLinear):
+    # torch's float32 matmul splits short passes across threads by the thread count: the 0.5B's logits of
+    # 1- and 5-token passes differ in their last bits between 1 and 2 threads (/tmp/thr_bits2.py)
+    thread_invariant = False
+
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
