@@ -85,7 +85,8 @@ class Engine:
         self.threads = configure_threads(threads)
         # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where the
         # target's logits do not depend on the thread count
-        adapt = not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
+        adapt = (not threads_fixed(threads) and target.model.device.type == "cpu"
+                 and target.model.thread_invariant())
         self._share = ThreadShare(self.threads) if adapt else None
         self.target = target
         self.draft = draft

@@ -161,14 +161,15 @@ class ThreadShare:
     (`tick()` after each round; a clock read otherwise) the CPU time other processes took on our CPUs
     (/proc/stat's busy ticks less this process's CPU time) sets the thread count for the next window:
     the CPUs left free, rounded, between 1 and `max_threads`. A token's logits are the same bits with any
-    thread count (each output is summed by one thread; tests/test_runtime.py), so the output never
+    thread count (each output is summed by one thread; tests/test_threads.py), so the output never
     depends on it. Where /proc/stat cannot be read the count stays as it is.
     """
 
     def __init__(self, max_threads: int, window: float = 0.5, *, cpus: frozenset[int] | None = None,
                  stat: Callable[[], str | None] = lambda: _read(Path("/proc/stat")),
                  clock: Callable[[], float] = time.perf_counter, cpu_time: Callable[[], float] = time.process_time,
-                 threads: tuple[Callable[[], int], Callable[[int], None]] = (torch.get_num_threads, torch.set_num_threads),
+                 threads: tuple[Callable[[], int], Callable[[int], None]] = (torch.get_num_threads,
+                                                                             torch.set_num_threads),
                  tick_hz: int | None = None) -> None:
         if cpus is None:
             cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()

@@ -156,5 +156,6 @@ def test_converted_model_runs_from_the_cache_file_like_a_gguf(tmp_path: Path, fm
         linears = [m for m in model.modules() if isinstance(m, GGMLLinear)]
         assert all(_file_mapping(p.data) is not None for m in linears for p in m.parts), load
         # every layer's parts make whole 16-row tiles but the 97-row output layer's, read as stored
-        assert all(t is not None for b in model.blocks for m in (b.qkv, b.o, b.gate_up, b.down) for t in m.tiles()), load
+        layers = [m for b in model.blocks for m in (b.qkv, b.o, b.gate_up, b.down)]
+        assert all(t is not None for m in layers for t in m.tiles()), load
 

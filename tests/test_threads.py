@@ -58,8 +58,10 @@ class Host:
         self.ticks += round(100 * (ours + others))
 
     def share(self, max_threads: int = 2, readable: bool = True) -> ThreadShare:
-        return ThreadShare(max_threads, 0.5, cpus=frozenset({0, 1}),
-                           stat=lambda: f"cpu0 {self.ticks} 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0\n" if readable else None,
+        def text() -> str | None:
+            return f"cpu0 {self.ticks} 0 0 0 0 0 0 0\ncpu1 0 0 0 0 0 0 0 0\n" if readable else None
+
+        return ThreadShare(max_threads, 0.5, cpus=frozenset({0, 1}), stat=text,
                            clock=lambda: self.wall, cpu_time=lambda: self.ours,
                            threads=(lambda: self.threads, self._set), tick_hz=100)
 
@@ -119,14 +121,18 @@ def test_fixed_or_float32_engines_do_not_adapt(monkeypatch, keep_threads):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8", "bf16"])
 def test_logits_are_the_same_bits_with_any_thread_count(fmt, keep_threads):
     """Prefill (past the row-wise limit), verification and decoding passes at 2, then 1 thread."""
-    model = tiny_model(64, seed=1, dim=64, hidden=128, fmt=fmt).model
-    ids = torch.tensor([i * 7 % 64 for i in range(60)])
+    assert_same_bits_at_2_and_1_threads(tiny_model(64, seed=1, dim=64, hidden=128, fmt=fmt).model,
+                                        torch.tensor([i * 7 % 64 for i in range(60)]), 50)
+
+
+def assert_same_bits_at_2_and_1_threads(model, ids: torch.Tensor, prompt: int) -> None:
+    """The logits of a prompt pass (its last 4 rows), a 5-token verification pass and a decoding pass."""
     runs = []
     for n in (2, 1):
         torch.set_num_threads(n)
-        cache = model.new_cache(80)
-        runs.append([model(ids[:50], cache, logit_rows=slice(-4, None)).logits,
-                     model(ids[50:55], cache).logits, model(ids[55:56], cache).logits])
+        cache = model.new_cache(len(ids) + 8)
+        runs.append([model(ids[:prompt], cache, logit_rows=slice(-4, None)).logits,
+                     model(ids[prompt:prompt + 5], cache).logits, model(ids[prompt + 5:prompt + 6], cache).logits])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -169,12 +175,4 @@ def test_real_model_logits_are_the_same_bits_with_any_thread_count(real_model_ca
     loaded = real_model_cache("qwen2.5-coder-0.5b-instruct", "gguf")
     model = loaded.model
     assert model.thread_invariant()
-    ids = torch.tensor(bench_ids(loaded.tokenizer.encode, 200))
-    runs = []
-    for n in (2, 1):
-        torch.set_num_threads(n)
-        cache = model.new_cache(256)
-        runs.append([model(ids[:190], cache, logit_rows=slice(-4, None)).logits,
-                     model(ids[190:195], cache).logits, model(ids[195:196], cache).logits])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert_same_bits_at_2_and_1_threads(model, torch.tensor(bench_ids(loaded.tokenizer.encode, 200)), 190)
