@@ -9,6 +9,8 @@ NAME=${1:-qwen2.5-coder-1.5b-instruct}
 PY=${PYTHON:-.venv/bin/python}
 CORES=$($PY -c "from speculant.runtime import default_threads; print(default_threads())")
 lscpu | grep "Model name"; echo "model: $NAME, threads: default (adaptive), $CORES (fixed), 1 (fixed)"
+M=""  # the GGUF file, for llama-bench
+[ -n "${LLAMA_CPP_BIN:-}" ] && M=$($PY -c "from speculant.hub import resolve_model; print(resolve_model('$NAME'))")
 BUSY=()
 trap 'kill "${BUSY[@]}" 2>/dev/null || true' EXIT
 tps() {  # decode tok/s of one 96-token generation; "$@": env settings
@@ -19,8 +21,7 @@ for busy in 0 1 2; do
   while [ "${#BUSY[@]}" -lt "$busy" ]; do python3 -c "while True: pass" & BUSY+=($!); done
   sleep 1
   line="busy processes: $busy | speculant tok/s: default $(tps SPECULANT_THREADS=), $CORES threads $(tps SPECULANT_THREADS=$CORES), 1 thread $(tps SPECULANT_THREADS=1)"
-  if [ -n "${LLAMA_CPP_BIN:-}" ]; then
-    M=$($PY -c "from speculant.hub import resolve_model; print(resolve_model('$NAME'))")
+  if [ -n "$M" ]; then
     for t in "$CORES" 1; do
       line+=" | llama-bench -t $t: $("$LLAMA_CPP_BIN/llama-bench" -m "$M" -t "$t" -p 0 -n 64 -r 2 -o csv 2>/dev/null | tail -1 | awk -F, '{gsub(/"/, "", $(NF-1)); print $(NF-1)}')"
     done

@@ -59,8 +59,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram", type=int, default=None, help="largest n-gram prompt lookup matches")
     p.add_argument("--ngram-min", type=int, default=None,
                    help="shortest n-gram prompt lookup accepts as a match (default: 1 for lookup, 2 for hybrid)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads, >= 1 (default: $SPECULANT_THREADS, else one per physical core within the container's CPU "
-                        "quota, fewer while other processes keep the cores busy)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads, >= 1 (default: $SPECULANT_THREADS, else one per physical core within the "
+                        "container's CPU quota, fewer while other processes keep the cores busy)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda / cuda:N (float32 weights only: the block formats' kernels are the CPU's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
