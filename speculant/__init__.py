@@ -1,7 +1,7 @@
 """speculant: exact speculative decoding for local LLMs on PyTorch.
 
     from speculant import Engine, GenerationConfig, load_model
-    engine = Engine(load_model("qwen2.5-coder-1.5b-instruct"), load_model("qwen2.5-coder-0.5b-instruct"))
+    engine = Engine(load_model("qwen2.5-coder-1.5b-instruct"), load_model("qwen2.5-coder-0.5b-instruct", draft=True))
     for chunk in engine.stream("def quicksort(xs):"):
         ...
 """

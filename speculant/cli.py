@@ -37,7 +37,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="weight format: gguf (a .gguf file's own block types, the default for .gguf files), "
                    "bf16/f16 (default for HF folders storing them), q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0 (quantize on load), "
                    "int8, float32 (the reference)")
-    p.add_argument("--draft-dtype", default=None, help="weight format of the draft (default: as --dtype)")
+    p.add_argument("--draft-dtype", default=None,
+                   help="weight format of the draft (default: as --dtype; without --dtype, q4_0 for a .gguf draft stored "
+                        "in more bits, else the file's own: drafting streams the draft's weights every token, and its "
+                        "format never changes the output)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,
                    help="fixed k, or grow on full acceptance / shrink otherwise")
@@ -213,7 +216,8 @@ def load_engine(args: argparse.Namespace):
     target = load_model(args.model, args.dtype, device=args.device, progress=progress)
     draft = None
     if args.draft:
-        draft = load_model(args.draft, args.draft_dtype or args.dtype, device=args.device, progress=progress)
+        draft = load_model(args.draft, args.draft_dtype or args.dtype, device=args.device, progress=progress,
+                           draft=True)
     return Engine(target, draft, cfg, threads=args.threads)
 
 

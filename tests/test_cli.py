@@ -25,8 +25,9 @@ def assert_user_error(rc, err, *needles):
         assert n in lines[0], (n, lines[0])
 
 
-def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16):
-    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary)."""
+def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None):
+    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary; the blocks' matrices
+    in `quant`, a GGMLQuantizationType name, or float32)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -53,12 +54,45 @@ def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16):
         if bad_type and name == "blk.0.ffn_up.weight":  # Q8_1 (40-byte blocks): the gguf package cannot dequantize it
             w.add_tensor(name, np.zeros((hidden, 40), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
             continue
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        data = rng.standard_normal(shape).astype(np.float32)
+        if quant and name.startswith("blk.") and len(shape) == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            continue
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.mark.parametrize("dim, hidden, quant, expect", [
+    (32, 64, None, "q4_0"),  # float32 blocks: requantized
+    (32, 64, "Q8_0", "q4_0"),
+    (32, 64, "Q4_0", "gguf"),  # already 4-bit: kept
+    (32, 16, None, "gguf"),  # ffn_down's rows of 16 values: no whole Q4_0 blocks
+])
+def test_a_draft_model_loads_in_q4_0_unless_its_file_is_4_bit(tmp_path, monkeypatch, dim, hidden, quant, expect):
+    from speculant.models import draft_dtype, load_model
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = write_gguf(tmp_path / "tiny.gguf", dim=dim, hidden=hidden, quant=quant)
+    assert draft_dtype(path) == expect
+    assert load_model(str(path), progress=False, draft=True).dtype == expect
+    assert load_model(str(path), progress=False).dtype == "gguf"  # a target runs its file's own blocks
+
+
+@pytest.mark.real
+def test_cli_loads_the_default_draft_in_q4_0_and_draft_dtype_overrides(monkeypatch):
+    from speculant.cli import build_parser, load_engine
+
+    monkeypatch.setenv("SPECULANT_THREADS", "1")
+    base = ["generate", "--model", "qwen2.5-coder-1.5b-instruct", "--draft", "qwen2.5-coder-0.5b-instruct", "hi"]
+    for extra, target, draft in ((), "gguf", "q4_0"), (("--draft-dtype", "gguf"), "gguf", "gguf"), \
+            (("--dtype", "int8"), "int8", "int8"):
+        engine = load_engine(build_parser().parse_args([*base, *extra]))
+        assert (engine.target.dtype, engine.draft.dtype) == (target, draft), extra
 
 
 def test_tiny_gguf_file_generates(capsys, tmp_path, monkeypatch):
