@@ -26,8 +26,8 @@ def assert_user_error(rc, err, *needles):
 
 
 def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None):
-    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary; the blocks' matrices
-    in `quant`, a GGMLQuantizationType name, or float32)."""
+    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary; the matrices (the
+    embedding table's too) in `quant`, a GGMLQuantizationType name, or float32)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -55,7 +55,7 @@ def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None)
             w.add_tensor(name, np.zeros((hidden, 40), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
             continue
         data = rng.standard_normal(shape).astype(np.float32)
-        if quant and name.startswith("blk.") and len(shape) == 2:
+        if quant and len(shape) == 2:
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             continue
@@ -81,6 +81,33 @@ def test_a_draft_model_loads_in_q4_0_unless_its_file_is_4_bit(tmp_path, monkeypa
     assert draft_dtype(path) == expect
     assert load_model(str(path), progress=False, draft=True).dtype == expect
     assert load_model(str(path), progress=False).dtype == "gguf"  # a target runs its file's own blocks
+
+
+def test_a_requantized_gguf_keeps_its_embedding_table_in_its_own_type(tmp_path, monkeypatch):
+    """The conversion cache keeps a .gguf's embedding table as the file stores it (rows dequantized on lookup,
+    as --dtype gguf runs it): the float32 table's values, a quarter of its bytes for Q8_0."""
+    import torch
+    from safetensors import safe_open
+
+    from speculant.models import load_model
+    from speculant.models.formats import GGMLEmbedding
+    from speculant.models.load_gguf import GGUFSource
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = write_gguf(tmp_path / "tiny.gguf", dim=32, hidden=64, quant="Q8_0")
+    ids = torch.tensor([0, 1, 2, 3, 1])
+    want = GGUFSource(path).get("embed")[ids]
+    logits = []
+    for load in ("converted", "cached"):
+        model = load_model(str(path), "q4_0", progress=False).model
+        assert isinstance(model.embed, GGMLEmbedding) and model.embed.part.qtype == 8, load  # Q8_0, as stored
+        assert torch.equal(model.embed(ids), want), load
+        logits.append(model(ids, model.new_cache(len(ids))).logits)
+    assert torch.equal(*logits)
+    (entry,) = (tmp_path / "home" / "converted").glob("*.safetensors")
+    with safe_open(str(entry), framework="pt") as f:
+        keys = set(f.keys())
+    assert "embed.ggml_data" in keys and "embed" not in keys
 
 
 @pytest.mark.real

@@ -149,9 +149,18 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
         advance()
     if embed.shape != (cfg.vocab_size, cfg.dim):
         raise SpeculantError(f"embedding shape {tuple(embed.shape)} does not match the config ({cfg.vocab_size}, {cfg.dim})")
+    if fmt in GGML_TYPES and hasattr(src, "part"):
+        # A .gguf requantized (a draft model's default, models.draft_dtype) keeps the file's embedding table in
+        # its own type, rows dequantized on lookup as --dtype gguf does: the same values as the float32 table,
+        # a quarter of the cache entry (the 0.5B's Q8_0 table: 145 MB, not 545 MB in float32).
+        embed = GGMLEmbedding(src.part("embed"), cfg.dim)
     model = Transformer(cfg, embed, blocks, norm, lm_head)
     if cached is not None:
-        states.update({"embed": embed, "norm": norm})
+        if isinstance(embed, GGMLEmbedding):
+            states.update({f"embed.{k}": v for k, v in embed.state().items()})
+        else:
+            states["embed"] = embed
+        states["norm"] = norm
         states.update({f"lm_head.{k}": v for k, v in lm_head.state().items()})
         if _save_states(cached, states) and fmt in GGML_TYPES:
             del model, blocks, lm_head, states  # the blocks in memory give way to the file's mapping
@@ -201,7 +210,8 @@ def _from_states(cfg: ModelConfig, st: dict[str, Tensor], fmt: str) -> Transform
             p = f"layers.{i}."
             lin = {n: linear_from_state(sub(f"{p}{n}."), fmt) for n in _LINEARS}
             blocks.append(Block(cfg, st[p + "attn_norm"], lin["qkv"], lin["o"], st[p + "ffn_norm"], lin["gate_up"], lin["down"]))
-        return Transformer(cfg, st["embed"], blocks, st["norm"], linear_from_state(sub("lm_head."), fmt))
+        embed = st["embed"] if "embed" in st else GGMLEmbedding.from_state(sub("embed."))
+        return Transformer(cfg, embed, blocks, st["norm"], linear_from_state(sub("lm_head."), fmt))
     except KeyError as e:
         raise SpeculantError(f"conversion cache entry is incomplete (missing {e})") from None
 

@@ -314,7 +314,10 @@ class GGMLLinear(QLinear):
         if len(self.parts) != 1 or self.parts[0].perm is not None:
             raise SpeculantError("only a single unpermuted GGML layer can be saved")
         p = self.parts[0]
-        out = {"ggml_type": torch.tensor([p.qtype]), "ggml_data": torch.from_numpy(np.ascontiguousarray(p.data)),
+        data = np.ascontiguousarray(p.data)
+        if not data.flags.writeable:  # a file's read-only map (an embedding table kept in its type): torch wants a copy
+            data = data.copy()
+        out = {"ggml_type": torch.tensor([p.qtype]), "ggml_data": torch.from_numpy(data),
                "ggml_k": torch.tensor([self.in_features])}
         if self.bias is not None:
             out["bias"] = self.bias.data
@@ -400,3 +403,12 @@ class GGMLEmbedding(nn.Module):
     def as_linear(self) -> GGMLLinear:
         """The same tensor as an output layer (tied embeddings): no copy."""
         return GGMLLinear([self.part], self.dim)
+
+    def state(self) -> dict[str, Tensor]:
+        """As GGMLLinear.state (the conversion cache keeps a GGUF's embedding table in its own type)."""
+        return self.as_linear().state()
+
+    @classmethod
+    def from_state(cls, st: dict[str, Tensor | np.ndarray]) -> "GGMLEmbedding":
+        lin = GGMLLinear.from_state(st)
+        return cls(lin.parts[0], lin.in_features)
