@@ -25,9 +25,9 @@ def assert_user_error(rc, err, *needles):
         assert n in lines[0], (n, lines[0])
 
 
-def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None):
-    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary; the matrices (the
-    embedding table's too) in `quant`, a GGMLQuantizationType name, or float32)."""
+def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None, embed_quant=None):
+    """A tiny, complete GGUF model file (random weights, a 4-token byte-level vocabulary; the matrices in
+    `quant`, a GGMLQuantizationType name, or float32; the embedding table in `embed_quant`, else as they)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -55,8 +55,9 @@ def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None)
             w.add_tensor(name, np.zeros((hidden, 40), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
             continue
         data = rng.standard_normal(shape).astype(np.float32)
-        if quant and len(shape) == 2:
-            qtype = gguf.GGMLQuantizationType[quant]
+        qname = (embed_quant or quant) if name == "token_embd.weight" else quant
+        if qname and len(shape) == 2:
+            qtype = gguf.GGMLQuantizationType[qname]
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             continue
         w.add_tensor(name, data)
@@ -108,6 +109,22 @@ def test_a_requantized_gguf_keeps_its_embedding_table_in_its_own_type(tmp_path, 
     with safe_open(str(entry), framework="pt") as f:
         keys = set(f.keys())
     assert "embed.ggml_data" in keys and "embed" not in keys
+
+
+def test_a_requantized_gguf_whose_embedding_type_the_kernels_lack_keeps_a_float_table(tmp_path, monkeypatch):
+    import torch
+
+    from speculant.models import load_model
+    from speculant.models.load_gguf import GGUFSource
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    # TQ2_0: the gguf package dequantizes it, speculant's kernels do not multiply it
+    path = write_gguf(tmp_path / "tiny.gguf", dim=256, hidden=256, quant="Q8_0", embed_quant="TQ2_0")
+    ids = torch.tensor([0, 3, 1])
+    for load in ("converted", "cached"):
+        model = load_model(str(path), "q4_0", progress=False).model
+        assert torch.equal(model.embed(ids), GGUFSource(path).get("embed")[ids]), load
+        assert model(ids, model.new_cache(3)).logits.isfinite().all(), load
 
 
 @pytest.mark.real

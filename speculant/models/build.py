@@ -152,8 +152,12 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
     if fmt in GGML_TYPES and hasattr(src, "part"):
         # A .gguf requantized (a draft model's default, models.draft_dtype) keeps the file's embedding table in
         # its own type, rows dequantized on lookup as --dtype gguf does: the same values as the float32 table,
-        # a quarter of the cache entry (the 0.5B's Q8_0 table: 145 MB, not 545 MB in float32).
-        embed = GGMLEmbedding(src.part("embed"), cfg.dim)
+        # a quarter of the cache entry (the 0.5B's Q8_0 table: 145 MB, not 545 MB in float32). A type the
+        # kernels do not read (the gguf package dequantized it above) stays a float32 table.
+        try:
+            embed = GGMLEmbedding(src.part("embed"), cfg.dim)
+        except SpeculantError:
+            pass
     model = Transformer(cfg, embed, blocks, norm, lm_head)
     if cached is not None:
         if isinstance(embed, GGMLEmbedding):
