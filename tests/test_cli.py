@@ -75,11 +75,12 @@ def write_gguf(path, arch="llama", bad_type=False, dim=8, hidden=16, quant=None,
     (32, 16, None, "gguf"),  # ffn_down's rows of 16 values: no whole Q4_0 blocks
 ])
 def test_a_draft_model_loads_in_q4_0_unless_its_file_is_4_bit(tmp_path, monkeypatch, dim, hidden, quant, expect):
+    from speculant.gguf_file import GGUFFile
     from speculant.models import draft_dtype, load_model
 
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
     path = write_gguf(tmp_path / "tiny.gguf", dim=dim, hidden=hidden, quant=quant)
-    assert draft_dtype(path) == expect
+    assert draft_dtype(GGUFFile(path).tensors) == expect
     assert load_model(str(path), progress=False, draft=True).dtype == expect
     assert load_model(str(path), progress=False).dtype == "gguf"  # a target runs its file's own blocks
 

@@ -7,12 +7,14 @@ a ready `LoadedModel` (weights in the chosen format + the model's tokenizer) out
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import SpeculantError
+from ..gguf_file import GGUFTensor
 from ..tokenizer import Tokenizer
 from .build import build_transformer
 from .calibration import CALIBRATION_TEXT
@@ -83,20 +85,15 @@ DRAFT_DTYPE = "q4_0"
 DRAFT_REQUANT_BITS = 5.25
 
 
-def draft_dtype(path: Path, device: str = "cpu") -> str:
-    """The format a draft model loads in by default: Q4_0 for a .gguf file whose blocks' weights take more than
-    DRAFT_REQUANT_BITS per weight and whose rows Q4_0's 32-value blocks divide (requantized once, then read
-    from the conversion cache), else `default_dtype`."""
-    dtype = default_dtype(path, device)
-    if dtype != "gguf":
-        return dtype
-    from ..gguf_file import GGUFFile
-
-    mats = [t for t in GGUFFile(path).tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+def draft_dtype(tensors: Sequence[GGUFTensor]) -> str:
+    """The format a draft model whose .gguf holds `tensors` loads in where `gguf` would be the default: Q4_0
+    where its blocks' weights take more than DRAFT_REQUANT_BITS per weight and Q4_0's 32-value blocks divide
+    their rows (requantized once, then read from the conversion cache), else `gguf`."""
+    mats = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     n = sum(t.n_elements for t in mats)
     if not n or any(t.shape[0] % 32 for t in mats):  # shape[0]: a row's length (GGUF order)
-        return dtype
-    return DRAFT_DTYPE if 8 * sum(t.n_bytes for t in mats) / n > DRAFT_REQUANT_BITS else dtype
+        return "gguf"
+    return DRAFT_DTYPE if 8 * sum(t.n_bytes for t in mats) / n > DRAFT_REQUANT_BITS else "gguf"
 
 
 def _kernels_missing() -> str | None:
@@ -139,8 +136,9 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
         raise SpeculantError(f"--dtype {dtype} runs on the CPU only (its kernels are C); "
                              f"use --dtype float32 on {device}")
     path = resolve_model(spec)
-    if dtype is None:
-        dtype = draft_dtype(path, dev.type) if draft else default_dtype(path, dev.type)
+    chosen = dtype is None
+    if chosen:
+        dtype = default_dtype(path, dev.type)
         why = _kernels_missing() if dev.type == "cpu" else None
         if why is not None:  # one line, not a silent slowdown
             logging.getLogger("speculant").warning(
@@ -151,6 +149,8 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     else:
         src = GGUFSource(path)
         tokenizer = Tokenizer.from_gguf(src.fields)
+        if draft and chosen and dtype == "gguf":  # from the header just read, not a second parse of it
+            dtype = draft_dtype(src.file.tensors)
     cache_dir = speculant_home() / "converted" if use_cache else None
     calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
     model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
