@@ -57,12 +57,16 @@ model._fused = False  # the builds are swapped per GGMLLinear, which the fused C
 builds = native.supported_isas() + ["portable"]
 libs = {isa: native.portable_library() if isa == "portable" else native.library(isa) for isa in builds}
 linears = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+gemm = {lin: lin._gemm for lin in linears}
 for S in (1, 4, 7):
     ms = {isa: [] for isa in builds}
     for _ in range(3):  # alternate the builds so that a noisy neighbour hits all of them alike
         for isa in builds:
             for lin in linears:
                 lin._lib = libs[isa]
+                # the portable build has no prompt GEMM (gq_gemm returns -5): the cache's prefill takes
+                # the next route there
+                lin._gemm = gemm[lin] and isa != "portable"
             ms[isa].append(cost_curve(model, ids[:256], (S,), REPEATS)[S])
     best = {isa: min(v) for isa, v in ms.items()}
     print(f"{name}: {S} new tokens, ms per forward by kernel build: "

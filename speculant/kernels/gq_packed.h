@@ -123,7 +123,7 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK_SB_BYTES;
-        for (int l = 0; l < PACK_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
+        prefetch_tile(o, PACK_SB_BYTES, 4096);
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK6_SB_BYTES;
-        for (int l = 0; l < PACK6_SB_BYTES; l += 64) __builtin_prefetch(o + 4096 + l, 0, 3);
+        prefetch_tile(o, PACK6_SB_BYTES, 8192);
         vi_t S[PACKED_MR][2], Mn[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         SET_RV(Mn, R, NV, VI_ZERO());

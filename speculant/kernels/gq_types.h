@@ -100,6 +100,22 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
  * Q6_K lm_head 7.6-8.4 ns, 6.2-7.0 (a C harness that includes this file and times gq_matmul on random
  * blocks; not in the repo). No effect on results. */
 #define PREFETCH_AHEAD 2048
+
+/* Repacked tiles (gq_packed*.h) ask for the lines `ahead` bytes past a tile's superblock (block pair) as it
+ * starts, into L2 (prefetcht1), not L1: prefetcht0 of a whole superblock at once (40-53 lines) made every
+ * pass of several rows compute-starved on Zen 4 (AMD EPYC, family 25, 2 threads, the 1.5B's linears over 28
+ * layers, /work/notes/sim/linT.py, ms at M = 1 / 4 / 8 in two alternated sittings: prefetcht0 39.5-52.4 /
+ * 51.6-52.6 / 83.9-84.6, prefetcht1 34.5-35.0 / 33.8-34.1 / 48.8-49.1; Q6_K's lm_head at M = 4 14.0 -> 5.4-5.7).
+ * Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead (4096: lm_head at M = 1 9.6 -> 6.2-6.5 ms
+ * with 8192). No effect on results. */
+static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead) {
+#if defined(__GNUC__)
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(o + ahead + l, 0, 2);
+#else
+    (void)o; (void)bytes; (void)ahead;
+#endif
+}
+
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *b, int bytes) {
 #if defined(__GNUC__)
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + PREFETCH_AHEAD + l, 0, 3);
