@@ -1,4 +1,4 @@
-/* Q4_K and Q6_K repacked at load: 16 weight rows per tile, one output per lane, for every pass (1..any rows).
+/* Q4_K, Q5_K and Q6_K repacked at load: 16 weight rows per tile, one output per lane, for every pass (1..any rows).
  * Part of gq.c, included once into its one translation unit, after gq_gemm.h (its vector macros).
  *
  * The file's row-major blocks make each output a horizontal reduction (gq_dot_k.h: 16 lanes per output, a
@@ -18,6 +18,13 @@
  * Q4_K tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n
  * holding u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2]
  * int16 (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] float. Tile t's superblocks follow each other.
+ *
+ * Q5_K (PACK5_SB_BYTES): Q4_K's layout (u's low 4 bits in qs) and at P5_QH the fifth bits, qh[8 h][16 lanes][4 bytes],
+ * byte i of word h holding at bit f (0..3) that of value 4(4h + f) + i and at bit 4 + f that of value 128 + 4(4h + f) + i.
+ * Its canonical form is Q4_K's, u < 32. Unpacked (gq_dot_k.h's 16 lanes per output) a Q5_K_M file's linears were
+ * compute-bound on Zen 4: the 1.5B requantized to Q5_K_M by llama-quantize, linears of 28 layers at M = 1 / 4 / 8
+ * (/work/notes/sim/linT.py, alternated) 59.9-62.4 / 79.3-82.5 / 117-121 ms unpacked, 41.7-43.5 / 38.8-40.3 / 55.3-56.9
+ * packed.
  *
  * Q6_K (PACK6_SB_BYTES, 1% more than the file's): the low 4 bits of u = q + 32 as Q4_K's qs; qh[16 h][16 lanes]
  * [4 bytes], byte i of hgroup h (< 8: values 16h + 4f + i, >= 8: 128 + 16(h - 8) + 4f + i, f = 0..3) holding
@@ -45,30 +52,45 @@
 #define PK_MN 2176
 #define PK_D 2432
 #define PK_DM 2496
+#define PACK5_SB_BYTES 3072
+#define P5_QH 2560
 #define PACK6_SB_BYTES 3392
 #define P6_QH 2048
 #define P6_SC 3072
 #define P6_D 3328
 
-static inline int64_t packed_sb_bytes(int t) { return t == Q6_K ? PACK6_SB_BYTES : PACK_SB_BYTES; }
+static inline int64_t packed_sb_bytes(int t) {
+    return t == Q6_K ? PACK6_SB_BYTES : t == Q5_K ? PACK5_SB_BYTES : PACK_SB_BYTES;
+}
 
-/* Repacks rows 16t .. 16t + 15 of a Q4_K tensor w (row_bytes apart) for t in [t0, t1). */
-static void pack_q4k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
-    const int64_t nsb = K / 256;
-    for (int64_t t = t0; t < t1; t++)
+/* Repacks rows 16i .. 16i + 15 of a Q4_K or Q5_K (type t) tensor w (row_bytes apart) for i in [t0, t1). */
+static void pack_q4k_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1,
+                           uint8_t *out) {
+    const int64_t nsb = K / 256, sbb = packed_sb_bytes(t), fb = t == Q5_K ? 176 : 144;
+    const int q5 = t == Q5_K;
+    for (int64_t ti = t0; ti < t1; ti++)
         for (int64_t sb = 0; sb < nsb; sb++) {
-            uint8_t *o = out + (t * nsb + sb) * PACK_SB_BYTES;
+            uint8_t *o = out + (ti * nsb + sb) * sbb;
+            if (q5) memset(o + P5_QH, 0, 512);
             for (int n = 0; n < 16; n++) {
-                const uint8_t *b = w + (16 * t + n) * row_bytes + sb * 144;
+                const uint8_t *b = w + (16 * ti + n) * row_bytes + sb * fb, *qs = b + (q5 ? 48 : 16);
                 uint8_t sc[8], m[8], u[256];
                 q4k_scales(b + 4, sc, m);
                 for (int j = 0; j < 4; j++) /* value 64 j + l: low nibble of qs[32 j + l]; 64 j + 32 + l: high */
                     for (int l = 0; l < 32; l++) {
-                        u[64 * j + l] = b[16 + 32 * j + l] & 15;
-                        u[64 * j + 32 + l] = b[16 + 32 * j + l] >> 4;
+                        u[64 * j + l] = qs[32 * j + l] & 15;
+                        u[64 * j + 32 + l] = qs[32 * j + l] >> 4;
                     }
+                if (q5) /* as decode_k: bit i of qh[l] is the fifth bit of value 32 i + l */
+                    for (int i = 0; i < 8; i++)
+                        for (int l = 0; l < 32; l++) u[32 * i + l] |= ((b[16 + l] >> i) & 1) << 4;
                 for (int g = 0; g < 32; g++)
-                    for (int i = 0; i < 4; i++) o[64 * g + 4 * n + i] = (uint8_t)(u[4 * g + i] | (u[128 + 4 * g + i] << 4));
+                    for (int i = 0; i < 4; i++) {
+                        const int lo = u[4 * g + i], hi = u[128 + 4 * g + i];
+                        o[64 * g + 4 * n + i] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+                        if (q5)
+                            o[P5_QH + 64 * (g / 4) + 4 * n + i] |= (uint8_t)(((lo >> 4) << (g % 4)) | ((hi >> 4) << (4 + g % 4)));
+                    }
                 for (int j = 0; j < 8; j++) o[PK_SC + 16 * j + n] = sc[j];
                 for (int p = 0; p < 4; p++) {
                     const int16_t pair[2] = {m[2 * p], m[2 * p + 1]};
@@ -113,17 +135,25 @@ static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
 }
 
 #if GQ_AVX2
+/* A Q5_K tile's fifth bits (P5_QH: bit s of a byte, s < 4 for the low nibbles' values) at bit 4 of each byte.
+ * The 16-bit shifts move no bit across a byte into bit 4. */
+static inline vi_t q5_high(vi_t h, int s) {
+    return VI_AND(s < 4 ? VI_SLLI16B(h, 4 - s) : VI_SRLI16(h, s - 4), VI_SET1(0x10101010));
+}
+
 /* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
-static inline __attribute__((always_inline)) void packed_rows(const int R, const uint8_t *tile, const int64_t nsb,
+static inline __attribute__((always_inline)) void packed_rows(const int R, const int q5, const uint8_t *tile,
+                                                              const int64_t nsb,
                                                               const int8_t *xq, const int64_t K, const float *xd,
                                                               const int16_t *b32, vf_t out[PACKED_MR][2]) {
     const int NV = 16 / VL;
     vf_t acc[PACKED_MR][2]; /* in registers: accumulating in out (a pointer, aliased by the byte loads) was slower */
     SET_RV(acc, R, NV, VF_ZERO());
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    const int64_t sbb = q5 ? PACK5_SB_BYTES : PACK_SB_BYTES;
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *o = tile + sb * PACK_SB_BYTES;
-        prefetch_tile(o, PACK_SB_BYTES, 4096);
+        const uint8_t *o = tile + sb * sbb;
+        prefetch_tile(o, sbb, q5 ? 8192 : 4096);
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
@@ -138,6 +168,11 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);
                     wl[v] = VI_AND(q, lo4);
                     wh[v] = VI_AND(VI_SRLI16(q, 4), lo4);
+                    if (q5) {
+                        const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
+                        wl[v] = VI_OR(wl[v], q5_high(h, g % 4));
+                        wh[v] = VI_OR(wh[v], q5_high(h, 4 + g % 4));
+                    }
                 }
                 for (int m = 0; m < R; m++) {
                     DP_BCAST(Il[m], wl, x + m * K + 4 * g, NV);
@@ -231,7 +266,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
 #endif
 
 #if GQ_AVX2
-/* A packed Q4_K/Q6_K tile (16 rows, all superblocks) in gq_gemm.h's tile form, for prompt passes: their
+/* A packed Q4_K/Q5_K/Q6_K tile (16 rows, all superblocks) in gq_gemm.h's tile form, for prompt passes: their
  * GEMM shares each broadcast activation between two tiles and multiplies unpacked bytes, which the packed
  * kernel's nibble unpacking per activation row cannot match at hundreds of rows. */
 static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
@@ -247,6 +282,10 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 if (t == Q6_K) {
                     lo = VI_OR(lo, q6_high(VI_LOAD(o + P6_QH + 64 * (g / 4) + 4 * VL * v), g % 4));
                     hi = VI_OR(hi, q6_high(VI_LOAD(o + P6_QH + 64 * (8 + g / 4) + 4 * VL * v), g % 4));
+                } else if (t == Q5_K) {
+                    const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
+                    lo = VI_OR(lo, q5_high(h, g % 4));
+                    hi = VI_OR(hi, q5_high(h, 4 + g % 4));
                 }
                 VI_STORE(T + 64 * g + 4 * VL * v, lo);
                 VI_STORE(T + 64 * (32 + g) + 4 * VL * v, hi);
@@ -278,7 +317,7 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 }
 #endif
 
-/* packed_tile's portable lane loop for Q4_K and Q6_K: the canonical form, one lane at a time. */
+/* packed_tile's portable lane loop for Q4_K, Q5_K and Q6_K: the canonical form, one lane at a time. */
 static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *X, int64_t K, const float *bias,
                            const int64_t cols[16], float *y, int64_t N) {
     const int64_t nsb = K / 256;
@@ -319,7 +358,10 @@ static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *
                         for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
                             for (int i = 0; i < 4; i++) {
                                 const uint8_t q = o[64 * g + 4 * n + i];
-                                I += (int32_t)(j < 4 ? q & 15 : q >> 4) * x[(j < 4 ? 0 : 128) + 4 * g + i];
+                                int32_t u = j < 4 ? q & 15 : q >> 4;
+                                if (t == Q5_K) /* P5_QH: bit g % 4 (low nibbles) or 4 + g % 4 (high) */
+                                    u |= ((o[P5_QH + 64 * (g / 4) + 4 * n + i] >> ((j < 4 ? 0 : 4) + g % 4)) & 1) << 4;
+                                I += u * x[(j < 4 ? 0 : 128) + 4 * g + i];
                             }
                         S += (int32_t)o[PK_SC + 16 * j + n] * I;
                     }

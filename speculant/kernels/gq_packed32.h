@@ -271,7 +271,8 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
 #define PACKED_CASE(R)                                                                                        \
     if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
-    else packed_rows(R, tile, nsb, x, K, d, s32, out);
+    else if (t == Q5_K) packed_rows(R, 1, tile, nsb, x, K, d, s32, out);                                      \
+    else packed_rows(R, 0, tile, nsb, x, K, d, s32, out);
             PACKED_SWITCH(mc, PACKED_CASE);
 #undef PACKED_CASE
         }
@@ -297,14 +298,14 @@ static void expand_tile(int t, const uint8_t *tile, int64_t K, ktile *kt) {
 /* Repacks tiles [t0, t1) of the rows w (type t, row_bytes apart) into out */
 static void pack_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
     if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, t0, t1, out);
-    else if (t == Q4_K) pack_q4k_tiles(w, row_bytes, K, t0, t1, out);
+    else if (t == Q4_K || t == Q5_K) pack_q4k_tiles(t, w, row_bytes, K, t0, t1, out);
     else pack_32_tiles(t, w, row_bytes, K, t0, t1, out);
 }
 
 /* Whether n rows of K values of type t are repacked (whole tiles; pairs of 32-blocks or K-quant superblocks) */
 static int packable(int t, int64_t n, int64_t K) {
     if (n <= 0 || n % 16) return 0;
-    if (t == Q4_K || t == Q6_K) return K % 256 == 0;
+    if (t == Q4_K || t == Q5_K || t == Q6_K) return K % 256 == 0;
     return family(t) == FAM_32 && K % 64 == 0;
 }
 
