@@ -135,10 +135,17 @@ static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
 }
 
 #if GQ_AVX2
-/* A Q5_K tile's fifth bits (P5_QH: bit s of a byte, s < 4 for the low nibbles' values) at bit 4 of each byte.
- * The 16-bit shifts move no bit across a byte into bit 4. */
-static inline vi_t q5_high(vi_t h, int s) {
-    return VI_AND(s < 4 ? VI_SLLI16B(h, 4 - s) : VI_SRLI16(h, s - 4), VI_SET1(0x10101010));
+/* u = nibble | quad g's (0..7) fifth bits of a qh vector h (bit g of each byte) at bit 4 of each byte: Q5_K's
+ * P5_QH below and Q5_0's / Q5_1's qh (gq_packed32.h). AVX-512: bit g of each byte as a byte mask (vptestmb),
+ * then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B draft's Q5_0 linears are
+ * compute-bound when memory is fast. Both give the same bytes. */
+static inline vi_t q5_with_high(vi_t nib, vi_t h, int g) {
+#if GQ_512
+    return _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << g))), nib,
+                                _mm512_set1_epi8(0x10));
+#else
+    return VI_OR(nib, VI_AND(g <= 4 ? VI_SLLI32(h, 4 - g) : VI_SRLI32(h, g - 4), VI_SET1(0x10101010)));
+#endif
 }
 
 /* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
@@ -170,8 +177,8 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     wh[v] = VI_AND(VI_SRLI16(q, 4), lo4);
                     if (q5) {
                         const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
-                        wl[v] = VI_OR(wl[v], q5_high(h, g % 4));
-                        wh[v] = VI_OR(wh[v], q5_high(h, 4 + g % 4));
+                        wl[v] = q5_with_high(wl[v], h, g % 4);
+                        wh[v] = q5_with_high(wh[v], h, 4 + g % 4);
                     }
                 }
                 for (int m = 0; m < R; m++) {
@@ -284,8 +291,8 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                     hi = VI_OR(hi, q6_high(VI_LOAD(o + P6_QH + 64 * (8 + g / 4) + 4 * VL * v), g % 4));
                 } else if (t == Q5_K) {
                     const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
-                    lo = VI_OR(lo, q5_high(h, g % 4));
-                    hi = VI_OR(hi, q5_high(h, 4 + g % 4));
+                    lo = q5_with_high(lo, h, g % 4);
+                    hi = q5_with_high(hi, h, 4 + g % 4);
                 }
                 VI_STORE(T + 64 * g + 4 * VL * v, lo);
                 VI_STORE(T + 64 * (32 + g) + 4 * VL * v, hi);

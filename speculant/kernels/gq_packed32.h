@@ -56,11 +56,9 @@ static void pack_32_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K,
 #if GQ_AVX2
 #if GQ_512
 #define VF_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define VI_SRLI32(v, n) _mm512_srli_epi32(v, n)
 #define VI_XOR(a, b) _mm512_xor_si512(a, b)
 #else
 #define VF_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define VI_SRLI32(v, n) _mm256_srli_epi32(v, n)
 #define VI_XOR(a, b) _mm256_xor_si256(a, b)
 #endif
 /* Q8_0's q times x: Q8_U(w) once per weight vector, then Q8_DP(I, w, p, NV) per activation row (as DP_BCAST) */
@@ -79,18 +77,6 @@ static void pack_32_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K,
                 _mm256_sign_epi8((w)[v_], (w)[v_]), _mm256_sign_epi8(x_, (w)[v_])), _mm256_set1_epi16(1)));     \
     } while (0)
 #endif
-
-/* u = nibble | quad g's (0..7) fifth bits of a qh vector h at bit 4 of each byte. AVX-512: bit g of each
- * byte as a byte mask (vptestmb), then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B
- * draft's Q5_0 linears are compute-bound when memory is fast. Both give the same bytes. */
-static inline vi_t q5_with_high(vi_t nib, vi_t h, int g) {
-#if GQ_512
-    return _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << g))), nib,
-                                _mm512_set1_epi8(0x10));
-#else
-    return VI_OR(nib, VI_AND(g <= 4 ? VI_SLLI32(h, 4 - g) : VI_SRLI32(h, g - 4), VI_SET1(0x10101010)));
-#endif
-}
 
 /* Group g (values 4g..4g+3 and 16+4g..) of a nibble type T's block at q: I[m] += u * x for the R rows of xq. */
 static inline __attribute__((always_inline)) void nib_group(const int R, const int T, const uint8_t *q, const int g,
