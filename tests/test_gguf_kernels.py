@@ -146,8 +146,9 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
     parts = [Part(int(t), random_blocks(t, n, K, seed=7 + i)) for i, (t, n) in
              enumerate([(T.Q4_K, 19), (T.Q4_K, 32), (T.Q6_K, 8), (T.Q6_K, 16), (T.Q8_0, 5), (T.Q5_0, 3), (T.Q4_1, 2), (T.F16, 3), (T.Q3_K, 2),
                         (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1),
-                        # repacked 32-blocks (whole tiles)
-                        (T.Q4_0, 16), (T.Q4_1, 16), (T.Q5_0, 32), (T.Q5_1, 16), (T.Q8_0, 16)])]
+                        # repacked 32-blocks and K-quants (whole tiles)
+                        (T.Q4_0, 16), (T.Q4_1, 16), (T.Q5_0, 32), (T.Q5_1, 16), (T.Q8_0, 16), (T.Q3_K, 16),
+                        (T.Q2_K, 32)])]
     x = torch.randn(32, K, generator=torch.Generator().manual_seed(3)) * 3
     bias = torch.randn(sum(p.rows for p in parts))
     results = []

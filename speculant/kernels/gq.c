@@ -27,7 +27,7 @@
  *    lane (b & 1) * 8 + j: acc = fma(sum of u*x over values 32b + 4j .. 4j + 3, d * dx, acc);
  *    t = fma(o, dx * sum(xq), t) in block order; y = hsum16(acc) + t
  *  F32/F16/BF16 (activations stay float): acc[e % 16] = fma(w[e], x[e], acc[e % 16]); y = hsum16(acc)
- *  Q4_K, Q5_K and Q6_K parts repacked (gq_part.packed, gq_packed.h), one output per lane: per superblock
+ *  K-quant parts repacked (gq_part.packed, gq_packed.h, gq_packed2.h), one output per lane: per superblock
  *    the exact S = sum of sc * (sum of u*x) over sub-blocks and Mn = sum of mn * (sum of x) (Q6_K: 32 sc), then
  *    acc = fma(S, d * dx, acc); acc = fma(-Mn, dmin * dx, acc) in superblock order; y = acc
  *  32-block parts repacked (gq_packed32.h): per block the exact I = sum of q*x (q signed), then
@@ -41,6 +41,7 @@
  *  gq_dequant.h  whole rows into float32 (embeddings) and bf16 (the prefill's weights)
  *  gq_gemm.h     prompt passes of the block types (an output per lane)
  *  gq_packed.h   Q4_K, Q5_K and Q6_K repacked, 16 rows per tile (an output per lane), for every pass
+ *  gq_packed2.h  the same for Q2_K and Q3_K
  *  gq_packed32.h the same for the 32-block types, and the dispatch over packed types (multiply, unpack, pack)
  * and here: the activations' quantisation, the matmul and the exported functions. */
 #include "gq_types.h"
@@ -50,6 +51,7 @@
 #include "gq_dequant.h"
 #include "gq_gemm.h"
 #include "gq_packed.h"
+#include "gq_packed2.h"
 #include "gq_packed32.h"
 
 int gq_supported(int t) { return family(t) >= 0; }

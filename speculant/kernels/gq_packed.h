@@ -58,9 +58,17 @@
 #define P6_QH 2048
 #define P6_SC 3072
 #define P6_D 3328
+/* Q2_K and Q3_K (gq_packed2.h): 2-bit fields at 0, Q3_K's third bits at P3_H, the scale bytes at P2_SC / P3_SC, then
+ * d[16] (and Q2_K's dmin[16]) */
+#define PACK2_SB_BYTES 1408
+#define P2_SC 1024
+#define PACK3_SB_BYTES 1856
+#define P3_H 1024
+#define P3_SC 1536
 
 static inline int64_t packed_sb_bytes(int t) {
-    return t == Q6_K ? PACK6_SB_BYTES : t == Q5_K ? PACK5_SB_BYTES : PACK_SB_BYTES;
+    return t == Q6_K ? PACK6_SB_BYTES : t == Q5_K ? PACK5_SB_BYTES : t == Q3_K ? PACK3_SB_BYTES
+         : t == Q2_K ? PACK2_SB_BYTES : PACK_SB_BYTES;
 }
 
 /* Repacks rows 16i .. 16i + 15 of a Q4_K or Q5_K (type t) tensor w (row_bytes apart) for i in [t0, t1). */
@@ -135,16 +143,16 @@ static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
 }
 
 #if GQ_AVX2
-/* u = nibble | quad g's (0..7) fifth bits of a qh vector h (bit g of each byte) at bit 4 of each byte: Q5_K's
- * P5_QH below and Q5_0's / Q5_1's qh (gq_packed32.h). AVX-512: bit g of each byte as a byte mask (vptestmb),
- * then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B draft's Q5_0 linears are
- * compute-bound when memory is fast. Both give the same bytes. */
-static inline vi_t q5_with_high(vi_t nib, vi_t h, int g) {
+/* w | bit b of each byte of h at bit tb (clear in w) of the same byte: Q5_K's fifth bits at bit 4 (P5_QH below, b = the
+ * quad's bit), Q5_0's / Q5_1's qh (gq_packed32.h), Q3_K's third bits at bit 2 (gq_packed2.h). AVX-512: bit b of each
+ * byte as a byte mask (vptestmb), then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B draft's
+ * Q5_0 linears are compute-bound when memory is fast. Both give the same bytes. */
+static inline vi_t with_bit(vi_t w, vi_t h, int b, int tb) {
 #if GQ_512
-    return _mm512_mask_add_epi8(nib, _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << g))), nib,
-                                _mm512_set1_epi8(0x10));
+    return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(h, _mm512_set1_epi8((char)(1 << b))), w,
+                                _mm512_set1_epi8((char)(1 << tb)));
 #else
-    return VI_OR(nib, VI_AND(g <= 4 ? VI_SLLI32(h, 4 - g) : VI_SRLI32(h, g - 4), VI_SET1(0x10101010)));
+    return VI_OR(w, VI_AND(b <= tb ? VI_SLLI32(h, tb - b) : VI_SRLI32(h, b - tb), VI_SET1(0x01010101 << tb)));
 #endif
 }
 
@@ -177,8 +185,8 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     wh[v] = VI_AND(VI_SRLI16(q, 4), lo4);
                     if (q5) {
                         const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
-                        wl[v] = q5_with_high(wl[v], h, g % 4);
-                        wh[v] = q5_with_high(wh[v], h, 4 + g % 4);
+                        wl[v] = with_bit(wl[v], h, g % 4, 4);
+                        wh[v] = with_bit(wh[v], h, 4 + g % 4, 4);
                     }
                 }
                 for (int m = 0; m < R; m++) {
@@ -291,8 +299,8 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                     hi = VI_OR(hi, q6_high(VI_LOAD(o + P6_QH + 64 * (8 + g / 4) + 4 * VL * v), g % 4));
                 } else if (t == Q5_K) {
                     const vi_t h = VI_LOAD(o + P5_QH + 64 * (g / 4) + 4 * VL * v);
-                    lo = q5_with_high(lo, h, g % 4);
-                    hi = q5_with_high(hi, h, 4 + g % 4);
+                    lo = with_bit(lo, h, g % 4, 4);
+                    hi = with_bit(hi, h, 4 + g % 4, 4);
                 }
                 VI_STORE(T + 64 * g + 4 * VL * v, lo);
                 VI_STORE(T + 64 * (32 + g) + 4 * VL * v, hi);
@@ -324,7 +332,10 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 }
 #endif
 
-/* packed_tile's portable lane loop for Q4_K, Q5_K and Q6_K: the canonical form, one lane at a time. */
+static void packed2_sb_c(int q3, const uint8_t *o, int n, const int8_t *x, const int16_t *b16, int32_t *S,
+                         int32_t *Mn, float *d, float *dm); /* gq_packed2.h */
+
+/* packed_tile's portable lane loop for the packed K-quants: the canonical form, one lane at a time. */
 static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *X, int64_t K, const float *bias,
                            const int64_t cols[16], float *y, int64_t N) {
     const int64_t nsb = K / 256;
@@ -341,7 +352,9 @@ static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *
                 const float dx = xd[m * nsb + sb];
                 int32_t S = 0, Mn = 0;
                 float d, dm;
-                if (t == Q6_K) {
+                if (t == Q2_K || t == Q3_K) {
+                    packed2_sb_c(t == Q3_K, o, n, x, b16 + m * (K / 16) + sb * 16, &S, &Mn, &d, &dm);
+                } else if (t == Q6_K) {
                     static const int field_shift[4] = {4, 6, 0, 2};
                     for (int g16 = 0; g16 < 16; g16++) { /* values 16 g16 .. 16 g16 + 15 */
                         int32_t I = 0;

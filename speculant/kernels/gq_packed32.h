@@ -89,8 +89,8 @@ static inline __attribute__((always_inline)) void nib_group(const int R, const i
         wl[v] = VI_AND(w, lo4);
         wh[v] = VI_AND(VI_SRLI16(w, 4), lo4);
         if (pk32_high(T)) {
-            wl[v] = q5_with_high(wl[v], hv[v], g);
-            wh[v] = q5_with_high(wh[v], hv[v], g + 4);
+            wl[v] = with_bit(wl[v], hv[v], g, 4);
+            wh[v] = with_bit(wh[v], hv[v], g + 4, 4);
         }
     }
     for (int m = 0; m < R; m++) {
@@ -171,8 +171,8 @@ static void expand_packed32(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                     const vi_t w = VI_LOAD(q + 64 * g + 4 * VL * v);
                     vi_t lo = VI_AND(w, lo4), hi = VI_AND(VI_SRLI16(w, 4), lo4);
                     if (pk32_high(t)) {
-                        lo = q5_with_high(lo, hv, g);
-                        hi = q5_with_high(hi, hv, g + 4);
+                        lo = with_bit(lo, hv, g, 4);
+                        hi = with_bit(hi, hv, g + 4, 4);
                     }
                     VI_STORE(T + 64 * g + 4 * VL * v, lo);
                     VI_STORE(T + 64 * (4 + g) + 4 * VL * v, hi);
@@ -257,6 +257,8 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
 #define PACKED_CASE(R)                                                                                        \
     if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
+    else if (t == Q3_K) packed2_rows(R, 1, tile, nsb, x, K, d, s16, out);                                     \
+    else if (t == Q2_K) packed2_rows(R, 0, tile, nsb, x, K, d, s16, out);                                     \
     else if (t == Q5_K) packed_rows(R, 1, tile, nsb, x, K, d, s32, out);                                      \
     else packed_rows(R, 0, tile, nsb, x, K, d, s32, out);
             PACKED_SWITCH(mc, PACKED_CASE);
@@ -277,6 +279,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 /* Packed tile `tile` (any packed type) in gq_gemm.h's tile form, for prompt passes */
 static void expand_tile(int t, const uint8_t *tile, int64_t K, ktile *kt) {
     if (family(t) == FAM_32) expand_packed32(t, tile, K, kt);
+    else if (t == Q2_K || t == Q3_K) expand_packed2(t, tile, K, kt);
     else expand_packed(t, tile, K, kt);
 }
 #endif
@@ -285,13 +288,14 @@ static void expand_tile(int t, const uint8_t *tile, int64_t K, ktile *kt) {
 static void pack_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K, int64_t t0, int64_t t1, uint8_t *out) {
     if (t == Q6_K) pack_q6k_tiles(w, row_bytes, K, t0, t1, out);
     else if (t == Q4_K || t == Q5_K) pack_q4k_tiles(t, w, row_bytes, K, t0, t1, out);
+    else if (t == Q2_K || t == Q3_K) pack_q23k_tiles(t, w, row_bytes, K, t0, t1, out);
     else pack_32_tiles(t, w, row_bytes, K, t0, t1, out);
 }
 
 /* Whether n rows of K values of type t are repacked (whole tiles; pairs of 32-blocks or K-quant superblocks) */
 static int packable(int t, int64_t n, int64_t K) {
     if (n <= 0 || n % 16) return 0;
-    if (t == Q4_K || t == Q5_K || t == Q6_K) return K % 256 == 0;
+    if (family(t) == FAM_K) return K % 256 == 0;
     return family(t) == FAM_32 && K % 64 == 0;
 }
 

@@ -5,8 +5,8 @@ whole rows in one GGML type ([rows, row_bytes], usually a read-only memory map o
 q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permutation (llama files
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
-Q4_K, Q5_K, Q6_K and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked into
-16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed32.h), which every pass reads;
+K-quant (Q2_K .. Q6_K) and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked into
+16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed2.h, gq_packed32.h), which every pass reads;
 the file's pages under them are released. A layer repacks on its first use (`GGMLLinear.tiles`): the blocks
 at load (load_model builds the fused block loop), an output layer in its first pass with logits.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
@@ -53,8 +53,9 @@ class _Part(ctypes.Structure):  # gq_part in gq.c
 
 
 _PACK_ROWS = 4096  # rows repacked per step (a multiple of 16)
-# the types repacked into 16-row tiles (gq_packed.h, gq_packed32.h), where whole tiles fit (gq_packable)
-PACKED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
+# the types repacked into 16-row tiles (gq_packed.h, gq_packed2.h, gq_packed32.h), where whole tiles fit (gq_packable)
+PACKED_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
                 GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
                 GGMLQuantizationType.Q8_0)
 
