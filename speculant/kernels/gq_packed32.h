@@ -234,7 +234,11 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #if GQ_AVX2
     for (int64_t m0 = 0, mc; m0 < M; m0 += mc) {
         /* rows spread evenly over the passes: 5 rows in passes of 4 as 3 + 2, not 4 + 1 (too few chains) */
-        const int64_t passes = (M - m0 + PACKED_MR - 1) / PACKED_MR;
+        /* Q2_K/Q3_K: at most 5 rows a pass (their 16-value groups keep more accumulators live: 6 or more rows
+         * spill). The Q3_K_M 1.5B's Q3_K gate_up of 28 layers (/work/notes/sim/gu.py, Zen 4, 2 threads), ms at
+         * M = 5 / 6 / 8: one pass 17.0 / 26.2 / 44.4, passes of at most 4 19.9 / 21.8 / 26.7 */
+        const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED_MR;
+        const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;
         vf_t out[PACKED_MR][2];
         if (family(t) == FAM_32) {
