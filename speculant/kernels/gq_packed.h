@@ -4,7 +4,7 @@
  * The file's row-major blocks make each output a horizontal reduction (gq_dot_k.h: 16 lanes per output, a
  * decode of every superblock per row); with 16 rows interleaved, one vpdpbusd multiplies 4 values of 16
  * outputs, the unpacking of a superblock is shared by the 16 outputs and by every activation row, and a row
- * costs ~1/3 of the instructions. The nibbles stay nibbles (2560 bytes per 16 rows x 256 values against the
+ * costs ~1/3 of the instructions. The nibbles stay nibbles (2368 bytes per 16 rows x 256 values against the
  * file's 2304), so a decode step still reads about the file's bytes. C harness on an AMD EPYC (AVX-512, 2
  * threads, a 32768x1536 Q4_K matrix streamed from memory; /work/notes/nibble_q4k_harness.c), ms at M = 1 /
  * 2 / 3 / 4 / 8: file blocks 0.571 / 0.636 / 0.762 / 0.922 / 1.627, packed 0.402 / 0.418 / 0.439 / 0.496 /
@@ -17,7 +17,10 @@
  *
  * Q4_K tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n
  * holding u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2]
- * int16 (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] float. Tile t's superblocks follow each other.
+ * u8 (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] fp16, the file's: 2368 bytes per 16 rows against the file's 2304.
+ * With int16 mins and float scales (2560 bytes) the 1.5B's linears read 1052 MB a token against the file's 980 and
+ * ran at the bandwidth, so llama.cpp, reading the file's 980, decoded faster (`scripts/vs_llama_cpp.sh`, Zen 4,
+ * 2026-11-26: 25.0 tok/s against 30.4). Tile t's superblocks follow each other.
  *
  * Q5_K (PACK5_SB_BYTES): Q4_K's layout (u's low 4 bits in qs) and at P5_QH the fifth bits, qh[8 h][16 lanes][4 bytes],
  * byte i of word h holding at bit f (0..3) that of value 4(4h + f) + i and at bit 4 + f that of value 128 + 4(4h + f) + i.
@@ -47,22 +50,22 @@
 #define PACKED_SWITCH GEMM_SWITCH
 #endif
 
-#define PACK_SB_BYTES 2560
+#define PACK_SB_BYTES 2368
 #define PK_SC 2048
 #define PK_MN 2176
-#define PK_D 2432
-#define PK_DM 2496
-#define PACK5_SB_BYTES 3072
-#define P5_QH 2560
+#define PK_D 2304
+#define PK_DM 2336
+#define PACK5_SB_BYTES 2880
+#define P5_QH 2368
 #define PACK6_SB_BYTES 3392
 #define P6_QH 2048
 #define P6_SC 3072
 #define P6_D 3328
 /* Q2_K and Q3_K (gq_packed2.h): 2-bit fields at 0, Q3_K's third bits at P3_H, the scale bytes at P2_SC / P3_SC, then
- * d[16] (and Q2_K's dmin[16]) */
-#define PACK2_SB_BYTES 1408
+ * d[16] (and Q2_K's dmin[16]) fp16 */
+#define PACK2_SB_BYTES 1344
 #define P2_SC 1024
-#define PACK3_SB_BYTES 1856
+#define PACK3_SB_BYTES 1824
 #define P3_H 1024
 #define P3_SC 1536
 
@@ -100,13 +103,9 @@ static void pack_q4k_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K
                             o[P5_QH + 64 * (g / 4) + 4 * n + i] |= (uint8_t)(((lo >> 4) << (g % 4)) | ((hi >> 4) << (4 + g % 4)));
                     }
                 for (int j = 0; j < 8; j++) o[PK_SC + 16 * j + n] = sc[j];
-                for (int p = 0; p < 4; p++) {
-                    const int16_t pair[2] = {m[2 * p], m[2 * p + 1]};
-                    memcpy(o + PK_MN + 64 * p + 4 * n, pair, 4);
-                }
-                const float d = rdh(b), dm = rdh(b + 2);
-                memcpy(o + PK_D + 4 * n, &d, 4);
-                memcpy(o + PK_DM + 4 * n, &dm, 4);
+                for (int j = 0; j < 8; j++) o[PK_MN + 32 * (j / 2) + 2 * n + j % 2] = m[j];
+                memcpy(o + PK_D + 2 * n, b, 2); /* the file's fp16 d and dmin */
+                memcpy(o + PK_DM + 2 * n, b + 2, 2);
             }
         }
 }
@@ -143,6 +142,27 @@ static void pack_q6k_tiles(const uint8_t *w, int64_t row_bytes, int64_t K, int64
 }
 
 #if GQ_AVX2
+/* 2 VL bytes at b as VL int16 pairs, bytes 2n and 2n + 1 in lane n's halves, sign- or zero-extended: the
+ * packed K-quants' mins (and Q2_K's / Q3_K's scales) for vpdpwssd */
+static inline vi_t pairs16(const uint8_t *b, int sign) {
+#if GQ_512
+    const __m256i s = _mm256_loadu_si256((const __m256i *)b);
+    return sign ? _mm512_cvtepi8_epi16(s) : _mm512_cvtepu8_epi16(s);
+#else
+    const __m128i s = _mm_loadu_si128((const __m128i *)b);
+    return sign ? _mm256_cvtepi8_epi16(s) : _mm256_cvtepu8_epi16(s);
+#endif
+}
+
+/* VL fp16 values at b as floats (exact) */
+static inline vf_t f16_lanes(const uint8_t *b) {
+#if GQ_512
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+#else
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+#endif
+}
+
 /* w | bit b of each byte of h at bit tb (clear in w) of the same byte: Q5_K's fifth bits at bit 4 (P5_QH below, b = the
  * quad's bit), Q5_0's / Q5_1's qh (gq_packed32.h), Q3_K's third bits at bit 2 (gq_packed2.h). AVX-512: bit b of each
  * byte as a byte mask (vptestmb), then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B draft's
@@ -201,11 +221,12 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
             }
         }
         for (int v = 0; v < NV; v++) {
-            const vf_t D = VF_LOAD((const float *)(o + PK_D) + VL * v), DM = VF_LOAD((const float *)(o + PK_DM) + VL * v);
+            const vf_t D = f16_lanes(o + PK_D + 2 * VL * v), DM = f16_lanes(o + PK_DM + 2 * VL * v);
+            vi_t mn[4];
+            for (int p = 0; p < 4; p++) mn[p] = pairs16(o + PK_MN + 32 * p + 2 * VL * v, 0);
             for (int m = 0; m < R; m++) {
                 vi_t Mn = VI_ZERO();
-                for (int p = 0; p < 4; p++)
-                    Mn = VDP_I16(Mn, VI_LOAD(o + PK_MN + 64 * p + 4 * VL * v), bcast4(b32 + m * (K / 32) + sb * 8 + 2 * p));
+                for (int p = 0; p < 4; p++) Mn = VDP_I16(Mn, mn[p], bcast4(b32 + m * (K / 32) + sb * 8 + 2 * p));
                 const vf_t dx = VF_SET1(xd[m * nsb + sb]);
                 acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
                 acc[m][v] = VF_FNMA(VF_CVT(Mn), VF_MUL(DM, dx), acc[m][v]);
@@ -317,7 +338,7 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                     mn = VI_OR(VI_AND(VI_SLLI32(s0, 5), VI_SET1(0xffff)), VI_SLLI32(s1, 21));
                 } else { /* sub-block j's min twice: the low (j even) or high (j odd) half of the tile's pairs */
                     s0 = s1 = VI_U8_32(o + PK_SC + 16 * j + VL * v);
-                    const vi_t w = VI_LOAD(o + PK_MN + 64 * (j / 2) + 4 * VL * v);
+                    const vi_t w = pairs16(o + PK_MN + 32 * (j / 2) + 2 * VL * v, 0);
                     mn = j % 2 ? VI_OR(VI_AND(w, VI_SET1((int)0xffff0000)), VI_AND(VI_SRAI16(w), VI_SET1(0xffff)))
                                : VI_OR(VI_AND(w, VI_SET1(0xffff)), VI_SLLI16(w));
                 }
@@ -325,8 +346,9 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 VI_STORE(kt->SC + (sb * 16 + 2 * j + 1) * 16 + VL * v, s1);
                 VI_STORE(kt->MN + ((sb * 8 + j) * 16 + VL * v) * 2, mn);
             }
-            VF_STORE(kt->D + sb * 16 + VL * v, VF_LOAD((const float *)(o + (t == Q6_K ? P6_D : PK_D)) + VL * v));
-            VF_STORE(kt->DM + sb * 16 + VL * v, VF_LOAD((const float *)(o + (t == Q6_K ? P6_D : PK_DM)) + VL * v));
+            const vf_t D = t == Q6_K ? VF_LOAD((const float *)(o + P6_D) + VL * v) : f16_lanes(o + PK_D + 2 * VL * v);
+            VF_STORE(kt->D + sb * 16 + VL * v, D);
+            VF_STORE(kt->DM + sb * 16 + VL * v, t == Q6_K ? D : f16_lanes(o + PK_DM + 2 * VL * v));
         }
     }
 }
@@ -385,13 +407,9 @@ static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *
                             }
                         S += (int32_t)o[PK_SC + 16 * j + n] * I;
                     }
-                    for (int p = 0; p < 4; p++) {
-                        int16_t pair[2];
-                        memcpy(pair, o + PK_MN + 64 * p + 4 * n, 4);
-                        Mn += pair[0] * b32[m * (K / 32) + sb * 8 + 2 * p] + pair[1] * b32[m * (K / 32) + sb * 8 + 2 * p + 1];
-                    }
-                    memcpy(&d, o + PK_D + 4 * n, 4);
-                    memcpy(&dm, o + PK_DM + 4 * n, 4);
+                    for (int j = 0; j < 8; j++) Mn += o[PK_MN + 32 * (j / 2) + 2 * n + j % 2] * b32[m * (K / 32) + sb * 8 + j];
+                    d = rdh(o + PK_D + 2 * n);
+                    dm = rdh(o + PK_DM + 2 * n);
                 }
                 acc = fmaf((float)S, d * dx, acc);
                 acc = fmaf(-(float)Mn, dm * dx, acc);

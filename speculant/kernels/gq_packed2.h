@@ -4,8 +4,8 @@
  * Read in the file's layout, these rows were decoded value by value into bytes before every dot product: a Q3_K_M
  * file of the 1.5B decoded 1.2 tok/s and a Q2_K file 0.9 (`speculant bench speed`, AMD EPYC Zen 4, 2 threads;
  * llama.cpp 17.9 and 31.2 on the same files). Repacked, the values stay 2-bit fields (and Q3_K's third bit a plane of
- * its own), so a tile reads about the file's bytes: 1408 bytes per superblock of 16 rows against the file's 1344
- * (Q2_K), 1856 against 1760 (Q3_K).
+ * its own), so a tile reads about the file's bytes: 1344 bytes per superblock of 16 rows as the file's (Q2_K),
+ * 1824 against 1760 (Q3_K).
  *
  * Layout per superblock (packed_sb_bytes):
  *   qs[16 quads g][16 lanes][4 bytes]: byte i of lane n holds u of value 64c + 4g + i at bits 2c .. 2c + 1 (c = 0..3);
@@ -13,7 +13,7 @@
  *   4 (g % 2) + c;
  *   sc[8 pairs p][16 lanes][2 bytes] at P2_SC / P3_SC: the bytes of groups 2p and 2p + 1 (16 values each): Q3_K its
  *   scale (int8), Q2_K the file's byte (scale | min << 4);
- *   d[16] float, then (Q2_K) dmin[16] float.
+ *   d[16] fp16, then (Q2_K) dmin[16] fp16, the file's.
  * Group h (values 16h .. 16h + 15) is quads 4(h % 4) .. 4(h % 4) + 3 of field c = h / 4.
  *
  * Canonical form, as Q6_K's: per superblock the exact S = sum over groups of sc * (sum of u*x) and Mn = sum over
@@ -33,12 +33,14 @@ static void pack_q23k_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t 
     int16_t sce[128], mn[16];
     float d, dm;
     drow r = {u, sce, mn, &d, &dm, NULL}; /* one superblock, decoded as the file-layout path decodes it */
+    const int d_off = q3 ? 108 : 80; /* the file's fp16 d (Q2_K: then dmin) */
     for (int64_t ti = t0; ti < t1; ti++)
         for (int64_t sb = 0; sb < nsb; sb++) {
             uint8_t *o = out + (ti * nsb + sb) * sbb;
             memset(o, 0, (size_t)sbb);
             for (int n = 0; n < 16; n++) {
-                decode_k(t, w + (16 * ti + n) * row_bytes + sb * fb, &r, 0);
+                const uint8_t *b = w + (16 * ti + n) * row_bytes + sb * fb;
+                decode_k(t, b, &r, 0);
                 for (int g = 0; g < 16; g++)
                     for (int i = 0; i < 4; i++)
                         for (int c = 0; c < 4; c++) {
@@ -49,8 +51,8 @@ static void pack_q23k_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t 
                 for (int h = 0; h < 16; h++) /* sce: the group's scale per pair of values */
                     o[sc_at + 32 * (h / 2) + 2 * n + h % 2] = q3 ? (uint8_t)(int8_t)sce[8 * h]
                                                                  : (uint8_t)(sce[8 * h] | (mn[h] << 4));
-                memcpy(o + d_at + 4 * n, &d, 4);
-                if (!q3) memcpy(o + d_at + 64 + 4 * n, &dm, 4);
+                memcpy(o + d_at + 2 * n, b + d_off, 2);
+                if (!q3) memcpy(o + d_at + 32 + 2 * n, b + d_off + 2, 2);
             }
         }
 }
@@ -58,14 +60,7 @@ static void pack_q23k_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t 
 #if GQ_AVX2
 /* The scale bytes of pair p as int16 pairs, one per lane (lanes VL v ..): Q3_K's signed, Q2_K's unsigned */
 static inline vi_t sc_pairs(int q3, const uint8_t *o, int p, int v) {
-    const uint8_t *b = o + packed2_sc_at(q3) + 32 * p + 2 * VL * v;
-#if GQ_512
-    const __m256i s = _mm256_loadu_si256((const __m256i *)b);
-    return q3 ? _mm512_cvtepi8_epi16(s) : _mm512_cvtepu8_epi16(s);
-#else
-    const __m128i s = _mm_loadu_si128((const __m128i *)b);
-    return q3 ? _mm256_cvtepi8_epi16(s) : _mm256_cvtepu8_epi16(s);
-#endif
+    return pairs16(o + packed2_sc_at(q3) + 32 * p + 2 * VL * v, q3);
 }
 
 /* The scale of group 2p + half per lane as int32, from sc_pairs */
@@ -128,8 +123,8 @@ static inline __attribute__((always_inline)) void packed2_rows(const int R, cons
                 const vi_t mn = pair_mins(q3, sc_pairs(q3, o, p, v));
                 for (int m = 0; m < R; m++) Mn[m] = VDP_I16(Mn[m], mn, bcast4(b16 + m * (K / 16) + sb * 16 + 2 * p));
             }
-            const vf_t D = VF_LOAD((const float *)(o + d_at) + VL * v);
-            const vf_t DM = q3 ? D : VF_LOAD((const float *)(o + d_at + 64) + VL * v);
+            const vf_t D = f16_lanes(o + d_at + 2 * VL * v);
+            const vf_t DM = q3 ? D : f16_lanes(o + d_at + 32 + 2 * VL * v);
             for (int m = 0; m < R; m++) {
                 const vf_t dx = VF_SET1(xd[m * nsb + sb]);
                 acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
@@ -161,9 +156,9 @@ static void expand_packed2(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 VI_STORE(kt->SC + (sb * 16 + 2 * p + 1) * 16 + VL * v, pair_scale(q3, P, 1));
                 VI_STORE(kt->MN + ((sb * 8 + p) * 16 + VL * v) * 2, q3 ? VI_SLLI16B(P, 2) : pair_mins(q3, P));
             }
-            const vf_t D = VF_LOAD((const float *)(o + d_at) + VL * v);
+            const vf_t D = f16_lanes(o + d_at + 2 * VL * v);
             VF_STORE(kt->D + sb * 16 + VL * v, D);
-            VF_STORE(kt->DM + sb * 16 + VL * v, q3 ? D : VF_LOAD((const float *)(o + d_at + 64) + VL * v));
+            VF_STORE(kt->DM + sb * 16 + VL * v, q3 ? D : f16_lanes(o + d_at + 32 + 2 * VL * v));
         }
     }
 }
@@ -189,9 +184,8 @@ static void packed2_sb_c(int q3, const uint8_t *o, int n, const int8_t *x, const
         *Mn += (q3 ? sc : b >> 4) * b16[h];
     }
     if (q3) *Mn *= 4;
-    memcpy(d, o + sc_at + 256 + 4 * n, 4);
-    if (q3) *dm = *d;
-    else memcpy(dm, o + sc_at + 320 + 4 * n, 4);
+    *d = rdh(o + sc_at + 256 + 2 * n);
+    *dm = q3 ? *d : rdh(o + sc_at + 288 + 2 * n);
 }
 
 #endif /* SPECULANT_GQ_PACKED2_H */
