@@ -38,6 +38,7 @@ typedef __m512 vf_t;
 #define VF_ZERO() _mm512_setzero_ps()
 #define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
 #define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))) /* VL fp16 values, exact */
 #define VI_SET1(v) _mm512_set1_epi32(v)
 #define VF_SET1(v) _mm512_set1_ps(v)
 #define VI_ADD(a, b) _mm512_add_epi32(a, b)
@@ -75,6 +76,7 @@ typedef __m256 vf_t;
 #define VF_ZERO() _mm256_setzero_ps()
 #define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VF_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) /* VL fp16 values, exact */
 #define VI_SET1(v) _mm256_set1_epi32(v)
 #define VF_SET1(v) _mm256_set1_ps(v)
 #define VI_ADD(a, b) _mm256_add_epi32(a, b)

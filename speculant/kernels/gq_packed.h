@@ -154,15 +154,6 @@ static inline vi_t pairs16(const uint8_t *b, int sign) {
 #endif
 }
 
-/* VL fp16 values at b as floats (exact) */
-static inline vf_t f16_lanes(const uint8_t *b) {
-#if GQ_512
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
-#else
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
-#endif
-}
-
 /* w | bit b of each byte of h at bit tb (clear in w) of the same byte: Q5_K's fifth bits at bit 4 (P5_QH below, b = the
  * quad's bit), Q5_0's / Q5_1's qh (gq_packed32.h), Q3_K's third bits at bit 2 (gq_packed2.h). AVX-512: bit b of each
  * byte as a byte mask (vptestmb), then a masked add: 2 operations instead of 3 (shift, and, or); the 0.5B draft's
@@ -221,7 +212,7 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
             }
         }
         for (int v = 0; v < NV; v++) {
-            const vf_t D = f16_lanes(o + PK_D + 2 * VL * v), DM = f16_lanes(o + PK_DM + 2 * VL * v);
+            const vf_t D = VF_F16(o + PK_D + 2 * VL * v), DM = VF_F16(o + PK_DM + 2 * VL * v);
             vi_t mn[4];
             for (int p = 0; p < 4; p++) mn[p] = pairs16(o + PK_MN + 32 * p + 2 * VL * v, 0);
             for (int m = 0; m < R; m++) {
@@ -346,9 +337,9 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 VI_STORE(kt->SC + (sb * 16 + 2 * j + 1) * 16 + VL * v, s1);
                 VI_STORE(kt->MN + ((sb * 8 + j) * 16 + VL * v) * 2, mn);
             }
-            const vf_t D = t == Q6_K ? VF_LOAD((const float *)(o + P6_D) + VL * v) : f16_lanes(o + PK_D + 2 * VL * v);
+            const vf_t D = t == Q6_K ? VF_LOAD((const float *)(o + P6_D) + VL * v) : VF_F16(o + PK_D + 2 * VL * v);
             VF_STORE(kt->D + sb * 16 + VL * v, D);
-            VF_STORE(kt->DM + sb * 16 + VL * v, t == Q6_K ? D : f16_lanes(o + PK_DM + 2 * VL * v));
+            VF_STORE(kt->DM + sb * 16 + VL * v, t == Q6_K ? D : VF_F16(o + PK_DM + 2 * VL * v));
         }
     }
 }

@@ -123,8 +123,8 @@ static inline __attribute__((always_inline)) void packed2_rows(const int R, cons
                 const vi_t mn = pair_mins(q3, sc_pairs(q3, o, p, v));
                 for (int m = 0; m < R; m++) Mn[m] = VDP_I16(Mn[m], mn, bcast4(b16 + m * (K / 16) + sb * 16 + 2 * p));
             }
-            const vf_t D = f16_lanes(o + d_at + 2 * VL * v);
-            const vf_t DM = q3 ? D : f16_lanes(o + d_at + 32 + 2 * VL * v);
+            const vf_t D = VF_F16(o + d_at + 2 * VL * v);
+            const vf_t DM = q3 ? D : VF_F16(o + d_at + 32 + 2 * VL * v);
             for (int m = 0; m < R; m++) {
                 const vf_t dx = VF_SET1(xd[m * nsb + sb]);
                 acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
@@ -156,9 +156,9 @@ static void expand_packed2(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 VI_STORE(kt->SC + (sb * 16 + 2 * p + 1) * 16 + VL * v, pair_scale(q3, P, 1));
                 VI_STORE(kt->MN + ((sb * 8 + p) * 16 + VL * v) * 2, q3 ? VI_SLLI16B(P, 2) : pair_mins(q3, P));
             }
-            const vf_t D = f16_lanes(o + d_at + 2 * VL * v);
+            const vf_t D = VF_F16(o + d_at + 2 * VL * v);
             VF_STORE(kt->D + sb * 16 + VL * v, D);
-            VF_STORE(kt->DM + sb * 16 + VL * v, q3 ? D : f16_lanes(o + d_at + 32 + 2 * VL * v));
+            VF_STORE(kt->DM + sb * 16 + VL * v, q3 ? D : VF_F16(o + d_at + 32 + 2 * VL * v));
         }
     }
 }

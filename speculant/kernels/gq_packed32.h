@@ -55,10 +55,8 @@ static void pack_32_tiles(int t, const uint8_t *w, int64_t row_bytes, int64_t K,
 
 #if GQ_AVX2
 #if GQ_512
-#define VF_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VI_XOR(a, b) _mm512_xor_si512(a, b)
 #else
-#define VF_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define VI_XOR(a, b) _mm256_xor_si256(a, b)
 #endif
 /* Q8_0's q times x: Q8_U(w) once per weight vector, then Q8_DP(I, w, p, NV) per activation row (as DP_BCAST) */
