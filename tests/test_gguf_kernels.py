@@ -148,7 +148,7 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
                         (T.Q2_K, 2), (T.Q5_K, 2), (T.Q5_1, 2), (T.Q4_0, 2), (T.BF16, 2), (T.F32, 1),
                         # repacked 32-blocks and K-quants (whole tiles)
                         (T.Q4_0, 16), (T.Q4_1, 16), (T.Q5_0, 32), (T.Q5_1, 16), (T.Q8_0, 16), (T.Q3_K, 16),
-                        (T.Q2_K, 32)])]
+                        (T.Q2_K, 32), (T.Q5_K, 16)])]
     x = torch.randn(32, K, generator=torch.Generator().manual_seed(3)) * 3
     bias = torch.randn(sum(p.rows for p in parts))
     results = []
