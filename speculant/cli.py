@@ -42,8 +42,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "in more bits, else the file's own: drafting streams the draft's weights every token, and its "
                         "format never changes the output)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
-    p.add_argument("--draft-schedule", choices=("fixed", "heuristic"), default=None,
-                   help="fixed k, or grow on full acceptance / shrink otherwise")
+    p.add_argument("--draft-schedule", choices=("auto", "fixed", "heuristic"), default=None,
+                   help="fixed k; heuristic: grow on full acceptance, shrink otherwise; auto (default): heuristic, "
+                        "then the length that measured acceptance and verification cost favour (greedy or "
+                        "unseeded runs; seeded ones keep heuristic)")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length (at most 31: the target checks 1 + k tokens per pass)")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="draft model stops drafting when its top probability falls below this (default 0.5; 0 = never)")

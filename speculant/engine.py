@@ -216,10 +216,11 @@ class Engine:
         sampler = Sampler(sampling, self.target.config.vocab_size, device)
         sampler.start(ids)
         drafter = self._drafter(sampler, max_len, kept.draft)
-        policy = DraftLength(self.method.draft_length)
         # speculative or plain rounds, whichever is measured faster (governor.py)
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling),
                             self._governor_memory)
+        # the draft length's cap reads the clock where the governor may (draft_length.py)
+        policy = DraftLength(self.method.draft_length, timed=governor.active)
         nodes = getattr(drafter, "nodes", None)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
@@ -266,7 +267,7 @@ class Engine:
                 sampler.push(new)
                 drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
                 policy.update(n, kd)
-                self._finish_round(stats, governor, paused, ta, tb, kd, n)
+                self._finish_round(stats, governor, policy, paused, ta, tb, kd, n)
                 yield from out.push(new, drafted=n, proposed=kd)
                 pending = new[-1]
                 continue
@@ -291,7 +292,7 @@ class Engine:
                 hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
                 drafter.commit([pending] + new[:n], kd, **hidden)
                 policy.update(n, kd)
-            self._finish_round(stats, governor, paused, ta, tb, kd, n)
+            self._finish_round(stats, governor, policy, paused, ta, tb, kd, n)
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode
@@ -299,8 +300,8 @@ class Engine:
         yield from out.flush()
         yield Done(out.text, out.token_ids, out.reason, stats)
 
-    def _finish_round(self, stats: Stats, governor: Governor, paused: bool, ta: float, tb: float, kd: int,
-                      n: int) -> None:
+    def _finish_round(self, stats: Stats, governor: Governor, policy: DraftLength, paused: bool, ta: float,
+                      tb: float, kd: int, n: int) -> None:
         now = time.perf_counter()
         governor.record(n + 1, now - ta)
         if self._share is not None:
@@ -308,6 +309,7 @@ class Engine:
         if paused:
             stats.record_paused(now - ta)
             return
+        policy.observe(kd, tb - ta, now - tb)
         stats.draft_seconds += tb - ta
         stats.target_seconds += now - tb
         stats.record_round(kd, n)

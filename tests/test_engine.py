@@ -1,6 +1,6 @@
 """The decoding loop on tiny random models: every method is exact, stops land right, seeds repeat."""
 
-import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from speculant.engine import Chunk, Done, Engine, GenerationConfig
 from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.governor import GovernorConfig
-from speculant.methods.base import DraftLengthConfig
+from speculant.methods.base import DraftLength, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
@@ -45,12 +45,14 @@ def engines(target, draft, **dl):
     }
 
 
-@pytest.mark.parametrize("schedule", ["fixed", "heuristic"])
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "auto"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_output_identical_for_every_method(pair, k, schedule):
     target, draft = pair
     gen = GenerationConfig(max_new_tokens=40)
-    outs = {name: e.generate(PROMPT, gen) for name, e in engines(target, draft, k=k, schedule=schedule, max_k=8).items()}
+    # auto: greedy runs are timed, so after the first round every k is the measured choice
+    outs = {name: e.generate(PROMPT, gen)
+            for name, e in engines(target, draft, k=k, schedule=schedule, max_k=8, warmup=1).items()}
     ref = outs["ar"].token_ids
     assert len(ref) == 40
     for name, done in outs.items():
@@ -148,12 +150,15 @@ METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
     ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
     # the governor turns rounds plain and back (2 rounds each way, then up to 4 by measured speed)
     ("draft-governed", SamplingConfig(1.0, top_p=0.9)),
+    # the auto draft length: governed (so timed), the k of every round after the first chosen from measurements
+    ("draft-auto", SamplingConfig(0.9, top_p=0.95)),
+    ("hybrid-auto", SamplingConfig(1.0)),
     ("lookup-governed", SamplingConfig(0.8)),
     ("hybrid-governed", PENALTIES),
     *((m, PENALTIES) for m in METHODS_SAMPLED),
     *((m, MIN_P_BIAS) for m in METHODS_SAMPLED),
 ])
-def test_every_generated_position_has_the_targets_distribution(method, sampling):
+def test_every_generated_position_has_the_targets_distribution(method, sampling, monkeypatch):
     """Speculative sampling through the whole engine reproduces target-only sampling (chi-square against
     the exact marginals, enumerated with the full-sort reference sampler and reference penalties).
 
@@ -164,7 +169,7 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     """
     name, _, variant = method.partition("-")
     # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
-    V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed") else 4, 3000
+    V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed", "auto") else 4, 3000
     target = tiny_model(V, seed=5, logit_scale=0.2)
     draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
@@ -173,16 +178,30 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling)
     # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
     confidence = 0.35 if variant == "conf" else 0.0
     lookup = LookupConfig(3, min_ngram=3 if name == "hybrid" else 1)
-    length = DraftLengthConfig(k=1, schedule="heuristic", max_k=3) if variant == "heuristic" else \
+    length = DraftLengthConfig(k=1, schedule=variant, max_k=3, warmup=1) if variant in ("heuristic", "auto") else \
         DraftLengthConfig(k=3, schedule="fixed")
     dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0)
     check = variant if variant in ("always", "never") else "auto"
-    governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if variant == "governed" else GovernorConfig()
+    governed = variant in ("governed", "auto")
+    governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()
     e = Engine(target, draft if name in ("draft", "hybrid") else None,
                MethodConfig(name, length, lookup, dm, HybridConfig(check), governor=governor))
+    chosen = Counter()  # the auto schedule's measured choices of k (a spy: the real method runs)
+    best = DraftLength.best
+
+    def spy(self):
+        k = best(self)
+        chosen[k] += 1
+        return k
+
+    monkeypatch.setattr(DraftLength, "best", spy)
     r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, runs)
     assert r.drafted >= (runs if confidence == 0 else runs // 4)
-    r.check_rounds(governed=variant == "governed")  # seeded: auto does not govern
+    r.check_rounds(governed=governed)  # seeded: the default governor (auto) does not govern
+    if variant == "auto":
+        assert len(chosen) > 1, chosen  # the measured choice varied k
+    else:
+        assert not chosen  # untimed or other schedules never measure
     if confidence:
         assert r.drafted < 2 * runs  # the stop cut drafts short
     if variant == "heuristic":

@@ -41,7 +41,58 @@ def test_heuristic_draft_length_grows_and_shrinks_within_bounds():
     assert fixed.k == 3
 
 
-@pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": 5, "max_k": 4}, {"schedule": "sometimes"}])
+def _rounds(dl: DraftLength, accepted_of: dict[int, int], verify_ms: dict[int, float], draft_ms: float, n: int):
+    """n rounds: drafting dl.k tokens (draft_ms each), accepting accepted_of[k] of them, a pass of k + 1 rows
+    taking verify_ms[k + 1]."""
+    for _ in range(n):
+        k = dl.k
+        dl.update(accepted_of[k], k)
+        dl.observe(k, k * draft_ms / 1000, verify_ms[k + 1] / 1000)
+
+
+# a pass of 1..7 rows on 2 Zen 4 cores (hybrid's rounds, ms; speculant/methods/draft_length.py)
+ZEN4_MS = {1: 34.9, 2: 36.8, 3: 39.1, 4: 43.0, 5: 46.8, 6: 55.2, 7: 60.5}
+
+
+def test_auto_draft_length_stops_where_drafts_stop_paying():
+    # drafts 1-4 always accepted, 5 and 6 never: the 5th and 6th cost a draft forward and a row each, for nothing
+    accepted_of = {k: min(k, 4) for k in range(1, 7)}
+    dl = DraftLength(DraftLengthConfig(k=4, schedule="auto", max_k=6, warmup=3), timed=True)
+    _rounds(dl, accepted_of, ZEN4_MS, 9.0, 1)
+    assert dl.k == 6  # heuristic during the warmup: +2 after a fully accepted round, -1 after the next
+    _rounds(dl, accepted_of, ZEN4_MS, 9.0, 1)
+    assert dl.k == 5
+    _rounds(dl, accepted_of, ZEN4_MS, 9.0, 20)
+    assert dl.k == 4
+    assert dl.acceptance()[4] > 0.9 > 0.7 > dl.acceptance()[5]  # 2 rounds reached the 5th, the prior holds it up
+
+
+def test_auto_draft_length_drafts_long_when_rows_are_free_and_accepted():
+    flat = {r: 35.0 for r in range(1, 8)}
+    accept_all = {k: k for k in range(1, 7)}
+    dl = DraftLength(DraftLengthConfig(k=1, schedule="auto", max_k=6, warmup=2), timed=True)
+    _rounds(dl, accept_all, flat, 1.0, 12)
+    assert dl.k == 6
+    # the same rounds untimed (seeded sampling): the heuristic schedule alone, no measured state
+    untimed = DraftLength(DraftLengthConfig(k=1, schedule="auto", max_k=6, warmup=2), timed=False)
+    _rounds(untimed, {k: 0 for k in range(1, 7)}, flat, 1.0, 3)
+    assert untimed.k == 1 and not untimed.verify
+
+
+def test_auto_draft_length_verify_cost_between_and_beyond_measured_lengths():
+    dl = DraftLength(DraftLengthConfig(schedule="auto"), timed=True)
+    assert dl.verify_seconds(3) is None
+    dl.observe(2, 0.0, 1.0)  # a pass of 3 rows
+    assert dl.verify_seconds(1) == dl.verify_seconds(6) == 1.0  # one length known: it stands for all
+    dl.observe(4, 0.0, 2.0)  # 5 rows
+    dl.observe(4, 0.0, 3.0)
+    assert dl.verify_seconds(5) == 2.5  # the mean
+    assert dl.verify_seconds(4) == pytest.approx(1.75)  # interpolated
+    assert dl.verify_seconds(7) == pytest.approx(4.0)  # extrapolated along 3 -> 5 rows
+    assert dl.verify_seconds(2) == 1.0  # below the shortest: the shortest
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": 5, "max_k": 4}, {"schedule": "sometimes"}, {"warmup": 0}])
 def test_invalid_draft_length(kwargs):
     with pytest.raises(SpeculantError):
         DraftLengthConfig(**kwargs)

@@ -21,14 +21,10 @@ from typing import Protocol
 from torch import Tensor
 
 from ..candidates import Dist
-from ..models.transformer import FINAL_HIDDEN, ROW_WISE_MAX
+from ..models.transformer import FINAL_HIDDEN
 from ..tree import DraftTree
+from .draft_length import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig
 
-# The target scores [pending, *drafts] in one pass. Passes of at most ROW_WISE_MAX tokens compute
-# every row as a pass of one token would (row-wise attention, the integer block-format kernel), so greedy
-# speculative output stays identical to `ar`; longer passes take the prefill path (batched attention,
-# bf16 GEMMs), whose rounding differs. Hence at most ROW_WISE_MAX - 1 drafts per round.
-MAX_DRAFT_TOKENS = ROW_WISE_MAX - 1
 
 
 @dataclass(slots=True)
@@ -71,51 +67,3 @@ class Drafter(Protocol):
         n_drafted = tokens (nodes) proposed this round. After a `DraftTree` the engine adds
         `path=[node ids of the accepted drafts]` (len(accepted) - 1 of them, root first); tap drafters
         get `hidden=h`, h[tap] [len(accepted), D]: the rows of pending and the accepted path."""
-
-
-@dataclass(frozen=True, slots=True)
-class DraftLengthConfig:
-    """How many tokens to draft per round.
-
-    - fixed: always `k`.
-    - heuristic: HF's schedule; start at `k`, +2 after a fully accepted round, -1 otherwise,
-      within [1, max_k].
-
-    max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with 4-bit weights
-    (k=8 costs 1.8x k=1 on the 1.5B target): on HumanEval max_k=6 beat 16 for draft (1.28x vs
-    1.20x) and hybrid (1.37x vs 1.33x) in one `speculant bench methods` run.
-    """
-
-    k: int = 4
-    schedule: str = "heuristic"
-    max_k: int = 6
-
-    def __post_init__(self) -> None:
-        from ..errors import SpeculantError
-
-        if self.k < 1 or self.max_k < self.k:
-            raise SpeculantError(f"draft tokens must satisfy 1 <= k ({self.k}) <= max ({self.max_k})")
-        if self.max_k > MAX_DRAFT_TOKENS:
-            raise SpeculantError(
-                f"at most {MAX_DRAFT_TOKENS} draft tokens per round are supported (--max-draft-tokens/--draft-tokens, "
-                f"got {self.max_k}): the target checks 1 + k tokens in one pass, and only passes of up to "
-                f"{ROW_WISE_MAX} tokens give bit-for-bit the results of decoding one token at a time, which "
-                "keeps greedy output identical to --method ar")
-        if self.schedule not in ("fixed", "heuristic"):
-            raise SpeculantError(f"unknown draft-length schedule {self.schedule!r}; choose fixed or heuristic")
-
-
-class DraftLength:
-    """The adaptive draft length of one generation (state lives here, not in module globals)."""
-
-    def __init__(self, cfg: DraftLengthConfig) -> None:
-        self.cfg = cfg
-        self.k = cfg.k
-
-    def update(self, n_accepted: int, n_drafted: int) -> None:
-        if self.cfg.schedule == "fixed" or n_drafted == 0:
-            return
-        if n_accepted == n_drafted:
-            self.k = min(self.k + 2, self.cfg.max_k)
-        else:
-            self.k = max(self.k - 1, 1)
