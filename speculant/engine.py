@@ -219,7 +219,7 @@ class Engine:
         # speculative or plain rounds, whichever is measured faster (governor.py)
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling),
                             self._governor_memory)
-        # the draft length's cap reads the clock where the governor may (draft_length.py)
+        # the auto draft length reads the clock where the governor may (draft_length.py)
         policy = DraftLength(self.method.draft_length, timed=governor.active)
         nodes = getattr(drafter, "nodes", None)
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
@@ -266,8 +266,7 @@ class Engine:
                 new, kd, n = r.tokens, draft.size, len(r.tokens) - 1
                 sampler.push(new)
                 drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
-                policy.update(n, kd)
-                self._finish_round(stats, governor, policy, paused, ta, tb, kd, n)
+                self._finish_round(stats, governor, None, paused, ta, tb, kd, n)  # trees keep their node count
                 yield from out.push(new, drafted=n, proposed=kd)
                 pending = new[-1]
                 continue
@@ -300,7 +299,7 @@ class Engine:
         yield from out.flush()
         yield Done(out.text, out.token_ids, out.reason, stats)
 
-    def _finish_round(self, stats: Stats, governor: Governor, policy: DraftLength, paused: bool, ta: float,
+    def _finish_round(self, stats: Stats, governor: Governor, policy: DraftLength | None, paused: bool, ta: float,
                       tb: float, kd: int, n: int) -> None:
         now = time.perf_counter()
         governor.record(n + 1, now - ta)
@@ -309,7 +308,8 @@ class Engine:
         if paused:
             stats.record_paused(now - ta)
             return
-        policy.observe(kd, tb - ta, now - tb)
+        if policy is not None:
+            policy.observe(kd, tb - ta, now - tb)
         stats.draft_seconds += tb - ta
         stats.target_seconds += now - tb
         stats.record_round(kd, n)

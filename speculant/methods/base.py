@@ -26,7 +26,6 @@ from ..tree import DraftTree
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig
 
 
-
 @dataclass(slots=True)
 class Draft:
     tokens: Tensor  # [k] long, k >= 0
