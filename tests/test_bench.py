@@ -245,6 +245,8 @@ def test_fidelity_and_measure_model(tiny) -> None:
     tables = speed_tables(res)
     assert [t.title for t in tables] == ["bench speed", "fidelity vs float32"]
     assert tables[0].rows[0][:3] == ("tiny", "speculant", "float32")
+    cols = tables[0].columns
+    assert tables[0].rows[0][cols.index("bw GB/s")] == "10.0"  # the row's own bandwidth, beside its % of it
     assert json.loads(json.dumps(res.to_dict(), default=str))["rows"][0]["model"] == "tiny"
 
 

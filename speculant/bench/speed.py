@@ -2,8 +2,8 @@
 
 Batch-1 decoding reads every weight once per token, so decode speed is bounded by memory
 bandwidth: we report the weight bytes one token reads, the GB/s that implies and its fraction of
-the machine's bandwidth (measured once, as `torch.sum` over a large float32 array with the same
-threads). Speculative decoding pays off only if scoring k tokens costs little more than scoring
+the machine's bandwidth (`torch.sum` over a large float32 array with the same threads, right before
+and after each row: memory speed on a shared host drifts within minutes). Speculative decoding pays off only if scoring k tokens costs little more than scoring
 one: the cost curve times one forward over k new tokens on a filled cache (median of repeats,
 rolled back between them). All timings use raw `Transformer.forward` calls, no engine.
 """

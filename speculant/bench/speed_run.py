@@ -7,6 +7,7 @@ the fidelity text's logits are kept per model so each quantised format can be co
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,15 +28,17 @@ FIDELITY_CHUNKS = 4  # chunks of FIDELITY_CTX tokens: 4 x 255 = 1,020 scored pos
 class SpeedResult:
     config: SpeedConfig
     threads: int
-    bandwidth_gbps: float
+    bandwidth_gbps: float  # the mean of `bandwidths`
     rows: list[SpeedRow] = field(default_factory=list)
     fidelity: list[Fidelity] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     machine: dict[str, object] = field(default_factory=machine_info)
+    bandwidths: list[float] = field(default_factory=list)  # GB/s, right before and after each row
 
     def to_dict(self) -> dict[str, object]:
         return {
             "config": asdict(self.config), "threads": self.threads, "bandwidth_gbps": self.bandwidth_gbps,
+            "bandwidths_gbps": self.bandwidths,
             "torch": torch.__version__, "machine": self.machine,
             "rows": [r.to_dict() for r in self.rows], "fidelity": [asdict(f) for f in self.fidelity],
             "notes": self.notes,
@@ -52,12 +55,10 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
         err.print(f"[yellow]{LLAMA_CPP_HINT}[/yellow]")
         want_llama = False
     result = SpeedResult(cfg, threads, 0.0)
-    steps = 1 + len(cfg.models) * (len(cfg.dtypes) + int(want_llama))
+    steps = len(cfg.models) * (len(cfg.dtypes) + int(want_llama))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"memory bandwidth ({cfg.bandwidth_gib:g} GiB, {threads} threads)", total=steps)
-        result.bandwidth_gbps = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)
-        bar.advance(task)
+        task = bar.add_task("loading", total=steps)
         for spec in cfg.models:
             logits: dict[str, torch.Tensor] = {}
             ids: list[int] = []
@@ -66,7 +67,7 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                 lm = load_model(spec, dtype, progress=False)
                 ids = bench_ids(lm.tokenizer.encode, cfg.cache)
                 bar.update(task, description=f"{spec} ({dtype}): measuring")
-                result.rows.append(measure_model(lm.model, spec, dtype, ids, cfg, result.bandwidth_gbps))
+                result.rows.append(_bracketed(cfg, result, lambda: measure_model(lm.model, spec, dtype, ids, cfg, 0.0)))
                 if len(set(cfg.dtypes)) > 1:
                     text = lm.tokenizer.encode(fidelity_text())
                     chunks = min(FIDELITY_CHUNKS, len(text) // FIDELITY_CTX)
@@ -80,18 +81,32 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
             if want_llama and ids:
                 bar.update(task, description=f"{spec} (llama.cpp): measuring")
                 try:
-                    result.rows.append(_llama_row(resolve_model(spec), spec, ids, cfg, threads, result.bandwidth_gbps))
+                    path = resolve_model(spec)
+                    result.rows.append(_bracketed(cfg, result, lambda: _llama_row(path, spec, ids, cfg, threads)))
                 except SpeculantError as e:
                     err.print(f"[yellow]{e}[/yellow]")
                     result.notes.append(f"{spec}: no llama.cpp row ({e})")
                 bar.advance(task)
+    result.bandwidth_gbps = sum(result.bandwidths) / len(result.bandwidths) if result.bandwidths else 0.0
     if want_llama:
         result.notes.append("llama.cpp runs the GGUF file's own quantisation and computes every scored row's logits "
                             "(logits_all), in prefill too.")
     return result
 
 
-def _llama_row(path: Path, spec: str, ids: list[int], cfg: SpeedConfig, threads: int, bandwidth: float) -> SpeedRow:
+def _bracketed(cfg: SpeedConfig, result: SpeedResult, measure: Callable[[], SpeedRow]) -> SpeedRow:
+    """measure() with the memory bandwidth taken right before and after it: the row's "% of bw" is against their
+    mean. Memory speed on a shared host swings within minutes (`torch.sum` of 1 GiB: 29.3-46.3 GB/s in one sitting
+    of 2 Zen 4 cores, stop 34's note), so one measurement at the start compared numbers from different moments."""
+    before = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)
+    row = measure()
+    after = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)
+    row.bandwidth_gbps = (before + after) / 2
+    result.bandwidths += [before, after]
+    return row
+
+
+def _llama_row(path: Path, spec: str, ids: list[int], cfg: SpeedConfig, threads: int) -> SpeedRow:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
@@ -105,23 +120,29 @@ def _llama_row(path: Path, spec: str, ids: list[int], cfg: SpeedConfig, threads:
             m = pool.submit(llama_cpp_speed, path, ids, cfg.tokens, cfg.ks, threads, cfg.repeats).result()
         except BrokenProcessPool:
             raise SpeculantError(f"llama.cpp crashed measuring {path.name}; {LLAMA_CPP_CRASH_HINT}") from None
-    return SpeedRow(spec, "llama.cpp", kind, m.prefill_tps, m.decode_tps, nbytes, m.curve_ms, bandwidth)
+    return SpeedRow(spec, "llama.cpp", kind, m.prefill_tps, m.decode_tps, nbytes, m.curve_ms)
+
+
+def _span(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "not measured"
 
 
 def speed_tables(result: SpeedResult) -> list[Table]:
     cfg = result.config
-    cols = ("model", "engine", "weights", "prefill tok/s", "decode tok/s", "MB/token", "GB/s", "% of bw",
+    cols = ("model", "engine", "weights", "prefill tok/s", "decode tok/s", "MB/token", "GB/s", "bw GB/s", "% of bw",
             *(f"k={k} ms (x)" for k in cfg.ks))
     rows = []
     for r in result.rows:
         frac = r.bandwidth_fraction
         curve = tuple(f"{fmt(r.curve_ms.get(k), 1)} ({fmt(r.curve_ratio(k), 2)})" for k in cfg.ks)
         rows.append((r.model, r.engine, r.weights, fmt(r.prefill_tps, 1), fmt(r.decode_tps, 1),
-                     fmt(r.bytes_per_token / 1e6, 1), fmt(r.gbps, 2), fmt(None if frac is None else 100 * frac, 0),
+                     fmt(r.bytes_per_token / 1e6, 1), fmt(r.gbps, 2), fmt(r.bandwidth_gbps or None, 1),
+                     fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; memory bandwidth {result.bandwidth_gbps:.1f} GB/s (torch.sum over "
-        f"{cfg.bandwidth_gib:g} GiB float32).",
+        f"{result.threads} threads; bw = memory bandwidth, the mean of torch.sum over {cfg.bandwidth_gib:g} GiB "
+        f"float32 right before and after each row ({_span(result.bandwidths)} GB/s in this run); % of bw = GB/s "
+        "against it.",
         f"prefill: one forward over a {cfg.cache}-token prompt; decode: {cfg.tokens} greedy tokens after it, one "
         "forward each; GB/s = weight bytes per token x decode tok/s.",
         f"k=N: ms of one forward scoring N new tokens on a {cfg.cache}-token cache (median of {cfg.repeats}); "
