@@ -355,7 +355,7 @@ def test_a_crash_inside_llama_cpp_costs_its_row_not_the_benchmark(monkeypatch, t
     monkeypatch.setattr(speed_run, "llama_cpp_speed", _crash)
     monkeypatch.setattr(speed_run, "gguf_weight_info", lambda path: (1000, "Q4_0"))
     with pytest.raises(SpeculantError, match="llama.cpp crashed measuring model.gguf; .*AMX"):
-        speed_run._llama_row(tmp_path / "model.gguf", "m", [1, 2, 3], SpeedConfig(), 1, 10.0)
+        speed_run._llama_row(tmp_path / "model.gguf", "m", [1, 2, 3], SpeedConfig(), 1)
 
 
 def test_fidelity_scores_the_second_half_of_each_chunk_from_an_empty_cache(tiny) -> None:
