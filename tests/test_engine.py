@@ -153,6 +153,7 @@ METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
     # the auto draft length: governed (so timed), the k of every round after the first chosen from measurements
     ("draft-auto", SamplingConfig(0.9, top_p=0.95)),
     ("hybrid-auto", SamplingConfig(1.0)),
+    ("lookup-auto", SamplingConfig(0.8)),
     ("lookup-governed", SamplingConfig(0.8)),
     ("hybrid-governed", PENALTIES),
     *((m, PENALTIES) for m in METHODS_SAMPLED),
