@@ -237,11 +237,13 @@ def test_fidelity_and_measure_model(tiny) -> None:
     noisy = compare_logits("tiny", "int8", a, a + 0.5)
     assert noisy.max_abs_logit_diff == pytest.approx(0.5, abs=1e-5) and noisy.top1_agreement == 1.0
     cfg = SpeedConfig(models=("tiny",), dtypes=("float32",), tokens=4, cache=20, repeats=1, ks=(1, 2))
-    row = measure_model(tiny.model, "tiny", "float32", ids[:20], cfg, bandwidth=10.0)
+    row = measure_model(tiny.model, "tiny", "float32", ids[:20], cfg)
+    row.bandwidth_gbps = 10.0  # as run_speed's bracketing sets it
     assert row.bytes_per_token == tiny.model.weight_bytes_per_token() > 0
     assert row.gbps == pytest.approx(row.bytes_per_token * row.decode_tps / 1e9)
     assert row.curve_ratio(1) == pytest.approx(1.0)
-    res = SpeedResult(cfg, 1, 10.0, [row], [same])
+    res = SpeedResult(cfg, 1, [row], [same], bandwidths=[9.0, 11.0])
+    assert res.bandwidth_gbps == 10.0 and res.to_dict()["bandwidth_gbps"] == 10.0
     tables = speed_tables(res)
     assert [t.title for t in tables] == ["bench speed", "fidelity vs float32"]
     assert tables[0].rows[0][:3] == ("tiny", "speculant", "float32")

@@ -3,9 +3,10 @@
 Batch-1 decoding reads every weight once per token, so decode speed is bounded by memory
 bandwidth: we report the weight bytes one token reads, the GB/s that implies and its fraction of
 the machine's bandwidth (`torch.sum` over a large float32 array with the same threads, right before
-and after each row: memory speed on a shared host drifts within minutes). Speculative decoding pays off only if scoring k tokens costs little more than scoring
-one: the cost curve times one forward over k new tokens on a filled cache (median of repeats,
-rolled back between them). All timings use raw `Transformer.forward` calls, no engine.
+and after each row: memory speed on a shared host drifts within minutes). Speculative decoding pays
+off only if scoring k tokens costs little more than scoring one: the cost curve times one forward
+over k new tokens on a filled cache (median of repeats, rolled back between them). All timings use
+raw `Transformer.forward` calls, no engine.
 """
 
 from __future__ import annotations
@@ -246,14 +247,13 @@ def compare_logits(model: str, weights: str, reference: Tensor, other: Tensor) -
     return Fidelity(model, weights, reference.shape[0], diff, agree, kl)
 
 
-def measure_model(model: Transformer, name: str, weights: str, ids: Sequence[int], cfg: SpeedConfig,
-                  bandwidth: float) -> SpeedRow:
-    """Everything one row of the table needs, for one loaded model."""
+def measure_model(model: Transformer, name: str, weights: str, ids: Sequence[int], cfg: SpeedConfig) -> SpeedRow:
+    """Everything one row of the table needs, for one loaded model (its bandwidth_gbps is the caller's to set:
+    speed_run.py measures it right before and after)."""
     return SpeedRow(
         model=name, engine="speculant", weights=weights,
         prefill_tps=prefill_tps(model, ids, min(cfg.repeats, 3)),
         decode_tps=decode_tps(model, ids, cfg.tokens)[0],
         bytes_per_token=model.weight_bytes_per_token(),
         curve_ms=cost_curve(model, ids, cfg.ks, cfg.repeats),
-        bandwidth_gbps=bandwidth,
     )

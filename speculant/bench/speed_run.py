@@ -28,12 +28,15 @@ FIDELITY_CHUNKS = 4  # chunks of FIDELITY_CTX tokens: 4 x 255 = 1,020 scored pos
 class SpeedResult:
     config: SpeedConfig
     threads: int
-    bandwidth_gbps: float  # the mean of `bandwidths`
     rows: list[SpeedRow] = field(default_factory=list)
     fidelity: list[Fidelity] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     machine: dict[str, object] = field(default_factory=machine_info)
     bandwidths: list[float] = field(default_factory=list)  # GB/s, right before and after each row
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        return sum(self.bandwidths) / len(self.bandwidths) if self.bandwidths else 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -54,7 +57,7 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
     if want_llama and not llama_cpp_available():
         err.print(f"[yellow]{LLAMA_CPP_HINT}[/yellow]")
         want_llama = False
-    result = SpeedResult(cfg, threads, 0.0)
+    result = SpeedResult(cfg, threads)
     steps = len(cfg.models) * (len(cfg.dtypes) + int(want_llama))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, disable=not progress, transient=True) as bar:
@@ -67,7 +70,7 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                 lm = load_model(spec, dtype, progress=False)
                 ids = bench_ids(lm.tokenizer.encode, cfg.cache)
                 bar.update(task, description=f"{spec} ({dtype}): measuring")
-                result.rows.append(_bracketed(cfg, result, lambda: measure_model(lm.model, spec, dtype, ids, cfg, 0.0)))
+                result.rows.append(_bracketed(cfg, result, lambda: measure_model(lm.model, spec, dtype, ids, cfg)))
                 if len(set(cfg.dtypes)) > 1:
                     text = lm.tokenizer.encode(fidelity_text())
                     chunks = min(FIDELITY_CHUNKS, len(text) // FIDELITY_CTX)
@@ -87,7 +90,6 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                     err.print(f"[yellow]{e}[/yellow]")
                     result.notes.append(f"{spec}: no llama.cpp row ({e})")
                 bar.advance(task)
-    result.bandwidth_gbps = sum(result.bandwidths) / len(result.bandwidths) if result.bandwidths else 0.0
     if want_llama:
         result.notes.append("llama.cpp runs the GGUF file's own quantisation and computes every scored row's logits "
                             "(logits_all), in prefill too.")

@@ -11,9 +11,9 @@
  * and to the pass rows t with mask[s][t], in ascending order. Those keys form a virtual sequence of
  * L keys: what a chain pass gives the same token at the same depth. It is read as two segments: the
  * cache up to c0 = start rounded down to 8, then a gathered copy of the rest (< 8 committed keys and
- * the row's ancestors). Scores are taken 8 keys at a time at multiples of 8 (dot8) and the tail one
- * at a time; with c0 a multiple of 8 no group of 8 straddles the two segments, so every score and
- * every sum is the chain's, bit for bit.
+ * the row's ancestors). Scores are taken in groups of 8 keys at multiples of 8 (scores4, 4 keys at a
+ * time) and the tail one at a time; with c0 a multiple of 8 no group of 8 straddles the two segments,
+ * so every score and every sum is the chain's, bit for bit.
  *
  * Layouts (float32, contiguous):
  *   qkv  [S][(H + 2 Hkv) hd]   projections after bias; q and k are rotated in place
@@ -39,43 +39,108 @@ static void rope(float *x, const float *c, const float *s, int half) {
     }
 }
 
-/* Scores of one query against 8 keys (rows of kj, hd apart): 8 independent fma chains, then one
- * transposing reduction gives the 8 dot products in one vector. */
-static inline __m256 dot8(const float *q, const float *kj, int hd) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + i * hd + d), a[i]);
-    }
-    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-    /* lanes (0 1 2 3 | 0 1 2 3): halves of keys 0-3 and of keys 4-7 */
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+#define KEYS 32 /* keys per block: the block's keys and values (32 x hd floats each) stay in L1 */
+#define HT 3      /* query heads a tile: each key or value vector loaded is used by HT heads */
+#define AI static inline __attribute__((always_inline)) /* inlined with constant nh, so a[][] stays in registers */
+
+/* Rows j .. j+n-1 (those below LA) of a cache segment into L1, a block ahead of their use: the hardware
+ * prefetcher alone streamed the cache at ~14 GB/s from 2 threads (the 1.5B's 28 layers at 1000 slots). */
+AI void prefetch_rows(const float *a, int64_t j, int n, int64_t LA, int hd) {
+    for (int i = 0; i < n && j + i < LA; i++)
+        for (int c = 0; c < hd; c += 16) _mm_prefetch((const char *)(a + (j + i) * hd + c), _MM_HINT_T0);
 }
 
-#define KEYS 32 /* keys per block: the block's keys and values (32 x hd floats each) stay in L1 */
+/* Scores of nh (<= HT) queries (hd apart) against 4 keys: p[h * L8 + i] = scale * q_h . k_i. Each lane is
+ * an fma chain over hd in order, then one hadd tree per head (the pairwise sum of the 8 lanes); loading
+ * each key chunk once for all nh heads is what this tiling is for. Per (head, key) the same operations
+ * whatever nh, G or the neighbouring keys, so a score does not depend on the tiling. */
+AI void scores4(const float *q, int nh, const float *k0, const float *k1, const float *k2, const float *k3, int hd,
+                __m128 sv, float *p, int64_t L8) {
+    __m256 a[HT][4];
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < 4; i++) a[h][i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d), x2 = _mm256_loadu_ps(k2 + d),
+                     x3 = _mm256_loadu_ps(k3 + d);
+        for (int h = 0; h < nh; h++) {
+            const __m256 qh = _mm256_loadu_ps(q + h * hd + d);
+            a[h][0] = _mm256_fmadd_ps(qh, x0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(qh, x1, a[h][1]);
+            a[h][2] = _mm256_fmadd_ps(qh, x2, a[h][2]);
+            a[h][3] = _mm256_fmadd_ps(qh, x3, a[h][3]);
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        /* lanes (k0 k1 k2 k3 | k0 k1 k2 k3): sums of lanes 0-3 and of lanes 4-7 of each key */
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        _mm_storeu_ps(p + h * L8, _mm_mul_ps(r, sv));
+    }
+}
 
-/* One query row of the G heads that share one key/value head, against slots 0 .. L-1.
- * q: G queries, hd apart; o: G outputs, hd apart; p: scratch of G x L8 floats (L8 = L rounded up
- * to 8). Each block of keys and values is read once for all G heads (grouped-query attention),
- * which matters once the cache outgrows L2; at 256 slots the 1.5B's 7-token pass went from 4.9 to
- * 3.7 ms of attention, most of that from scoring 8 keys at a time (dot8). What each head computes,
- * and in which order, does not depend on G's neighbours or on other rows. */
 /* The key/value rows of virtual index j: the first LA in kA/vA, the rest in kB/vB (LA is L or a
  * multiple of 8, so a group of 8 keys at a multiple of 8 lies in one segment). */
 #define SEG(a, b, j) ((j) < LA ? (a) + (j) * hd : (b) + ((j) - LA) * hd)
 
+/* o[h * hd + d0 + 8 i + lane] (i < nv, h < nh) += sum over keys j0 .. j1-1, in order, of p[h * L8 + j] v_j[...]:
+ * one fma chain per output lane (starting from o's value unless j0 = 0), each value vector loaded once
+ * for the nh heads. */
+AI void wsum(const float *p, int nh, int64_t L8, const float *vA, const float *vB, int64_t LA, int64_t j0, int64_t j1,
+             int hd, int d0, int nv, float *o, int pf) {
+    __m256 acc[HT][4];
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < nv; i++) acc[h][i] = j0 ? _mm256_loadu_ps(o + h * hd + d0 + 8 * i) : _mm256_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const float *vj = SEG(vA, vB, j) + d0;
+        if (pf) prefetch_rows(vA, j + KEYS, 1, LA, hd);
+        __m256 v[4];
+        for (int i = 0; i < nv; i++) v[i] = _mm256_loadu_ps(vj + 8 * i);
+        for (int h = 0; h < nh; h++) {
+            const __m256 pj = _mm256_set1_ps(p[h * L8 + j]);
+            for (int i = 0; i < nv; i++) acc[h][i] = _mm256_fmadd_ps(pj, v[i], acc[h][i]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + h * hd + d0 + 8 * i, acc[h][i]);
+}
+
+/* The scores and weighted sums of one tile of nh heads (constant at each call site, so each gets its
+ * own unrolled copy). */
+AI void scores_tile(const float *q, int nh, const float *kA, const float *kB, int64_t LA, int64_t j0, int64_t j1,
+                    int hd, __m128 sv, float *p, int64_t L8, int pf) {
+    for (int64_t j = j0; j < j1; j += 4) {
+        if (pf) prefetch_rows(kA, j + KEYS, 4, LA, hd);
+        scores4(q, nh, SEG(kA, kB, j), SEG(kA, kB, j + 1), SEG(kA, kB, j + 2), SEG(kA, kB, j + 3), hd, sv, p + j, L8);
+    }
+}
+
+AI void wsum_tile(const float *p, int nh, int64_t L8, const float *vA, const float *vB, int64_t LA, int64_t j0,
+                  int64_t j1, int hd, float *o, int pf) {
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 4, o, pf && !d0);
+    for (; d0 < hd; d0 += 8) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 1, o, pf && !d0);
+}
+
+/* One query row of the G heads that share one key/value head, against slots 0 .. L-1.
+ * q: G queries, hd apart; o: G outputs, hd apart; p: scratch of G x L8 floats (L8 = L rounded up
+ * to 8). Each block of keys and values is read once for all G heads (grouped-query attention),
+ * which matters once the cache outgrows L2, and each vector of it loaded once for HT heads at a time
+ * (before, one head at a time, the value sums' loop of variable width compiled to a compare chain per
+ * key). `scripts/attention_bench.py` (the 1.5B's shape, 28 layers, 2 Zen 4 cores, old / new tree
+ * alternated twice): 5 rows after 1000 slots 17.2-17.4 -> 10.4-10.9 ms, after 300 4.2-5.2 -> 2.6-3.5 ms;
+ * 1 row after 1000 4.3-5.5 -> 4.6-4.8 ms (streaming the cache bounds it). The same bits as before: each
+ * (head, key) score and each output lane is the same chain of operations. What each head computes, and
+ * in which order, does not depend on G's neighbours, on the tiling or on other rows. */
 static void attend_group(const float *q, int G, const float *kA, const float *vA, int64_t LA, const float *kB,
                          const float *vB, int64_t L, int hd, float scale, float *p, float *o) {
     const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7;
-    const __m256 sv = _mm256_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 8 keys at a time */
+    const __m128 sv = _mm_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 4 keys x HT heads at a time */
         const int64_t j1 = j0 + KEYS < full ? j0 + KEYS : full;
-        for (int g = 0; g < G; g++)
-            for (int64_t j = j0; j < j1; j += 8)
-                _mm256_storeu_ps(p + g * L8 + j, _mm256_mul_ps(dot8(q + g * hd, SEG(kA, kB, j), hd), sv));
+        int g = 0;
+        for (; g + HT <= G; g += HT) scores_tile(q + g * hd, HT, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
+        if (G - g == 2) scores_tile(q + g * hd, 2, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
+        else if (G - g == 1) scores_tile(q + g * hd, 1, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
     }
     for (int g = 0; g < G; g++) {
         float *pg = p + g * L8;
@@ -104,21 +169,10 @@ static void attend_group(const float *q, int G, const float *kA, const float *vA
      * accumulators live in o between blocks, so every output still sums over j in order */
     for (int64_t j0 = 0; j0 < L; j0 += KEYS) {
         const int64_t j1 = j0 + KEYS < L ? j0 + KEYS : L;
-        for (int g = 0; g < G; g++) {
-            const float *pg = p + g * L8;
-            for (int d0 = 0; d0 < hd; d0 += 64) {  /* 8 accumulators of 8 lanes at a time */
-                const int w = hd - d0 < 64 ? hd - d0 : 64;
-                float *og = o + g * hd + d0;
-                __m256 acc[8];
-                for (int i = 0; i < w / 8; i++) acc[i] = j0 ? _mm256_loadu_ps(og + 8 * i) : _mm256_setzero_ps();
-                for (int64_t j = j0; j < j1; j++) {
-                    const __m256 pj = _mm256_set1_ps(pg[j]);
-                    const float *vj = SEG(vA, vB, j) + d0;
-                    for (int i = 0; i < w / 8; i++) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), acc[i]);
-                }
-                for (int i = 0; i < w / 8; i++) _mm256_storeu_ps(og + 8 * i, acc[i]);
-            }
-        }
+        int g = 0;
+        for (; g + HT <= G; g += HT) wsum_tile(p + g * L8, HT, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
+        if (G - g == 2) wsum_tile(p + g * L8, 2, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
+        else if (G - g == 1) wsum_tile(p + g * L8, 1, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
     }
     for (int g = 0; g < G; g++) {
         const __m256 inv = _mm256_set1_ps(p[(int64_t)G * L8 + g]);
@@ -161,7 +215,9 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
         float *kB = p + per * Lmax8 + per, *vB = kB + tail * hd;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs * parts; t++) {
-            const int64_t s = t / (Hkv * parts), kh = t / parts % Hkv, h0 = kh * group + t % parts * per;
+            /* a thread's tasks are consecutive rows of one key/value head: the rows after the first read its
+             * keys and values from L2 (or L3), not memory */
+            const int64_t kh = t / (S * parts), s = t / parts % S, h0 = kh * group + t % parts * per;
             const int64_t g = kh * group + group - h0 < per ? kh * group + group - h0 : per;
             const float *k = kc + kh * max_len * hd, *v = vc + kh * max_len * hd;
             int64_t L = start + s + 1, LA = L;

@@ -129,26 +129,35 @@ class DraftLength:
     def verify_seconds(self, rows: int) -> float | None:
         """t_verify(rows): measured; between two measured lengths, interpolated; outside them, the nearest one
         measured, extrapolated past the longest along the two longest (never falling); None before any round."""
-        mean = {r: s / n for r, (s, n) in self.verify.items()}
-        if rows in mean or not mean:
-            return mean.get(rows)
-        below = sorted(r for r in mean if r < rows)
-        above = sorted(r for r in mean if r > rows)
-        if not below:
-            return mean[above[0]]
-        if len(below) == 1 and not above:
-            return mean[below[0]]
-        r0, r1 = (below[-1], above[0]) if above else (below[-2], below[-1])
-        return mean[r0] + max(0.0, (mean[r1] - mean[r0]) / (r1 - r0)) * (rows - r0)
+        return _estimate(self._means(), rows)
+
+    def _means(self) -> dict[int, float]:
+        return {r: s / n for r, (s, n) in self.verify.items()}  # pass rows -> mean seconds
 
     def best(self) -> int:
         """The k in [1, max_k] with the most expected tokens per second, E(k) / T(k) (module docstring)."""
         t_draft = self.draft_seconds / max(self.drafted, 1)
+        mean = self._means()  # once a round, not once per k
         best, best_rate, tokens, p = self.k, 0.0, 1.0, 1.0
         for k, a in enumerate(self.acceptance()[1:], start=1):
             p *= a
             tokens += p
-            t = self.verify_seconds(k + 1)
+            t = _estimate(mean, k + 1)
             if t is not None and k * t_draft + t > 0 and tokens / (k * t_draft + t) > best_rate:
                 best, best_rate = k, tokens / (k * t_draft + t)
         return best
+
+
+def _estimate(mean: dict[int, float], rows: int) -> float | None:
+    """The verification seconds of a pass of `rows` rows from the mean seconds of the lengths measured
+    (DraftLength.verify_seconds)."""
+    if rows in mean or not mean:
+        return mean.get(rows)
+    below = sorted(r for r in mean if r < rows)
+    above = sorted(r for r in mean if r > rows)
+    if not below:
+        return mean[above[0]]
+    if len(below) == 1 and not above:
+        return mean[below[0]]
+    r0, r1 = (below[-1], above[0]) if above else (below[-2], below[-1])
+    return mean[r0] + max(0.0, (mean[r1] - mean[r0]) / (r1 - r0)) * (rows - r0)

@@ -1,0 +1,100 @@
+"""The short-pass attention kernel (speculant/kernels/attention.c) on its own: close to a float64
+reference, and bit for bit the same whatever the rows that share the pass, the thread count, the
+instruction set it was built for, or how its query heads are tiled (group sizes 1..8 cover every
+remainder of its 3-head tiles; head sizes 8..128 every remainder of its 32-wide value chunks)."""
+
+import ctypes
+
+import pytest
+import torch
+
+from speculant.models import native
+from speculant.models.fused import bind_tree_kernels
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the x86 kernels need AVX2 and gcc")
+
+SHAPES = [(12, 2, 128), (14, 2, 64), (9, 3, 64), (8, 8, 64), (8, 1, 80), (16, 2, 96), (4, 2, 8), (5, 1, 24),
+          (7, 7, 32)]  # (query heads, key/value heads, head size): G = 6, 7, 3, 1, 8, 8, 2, 5, 1
+
+
+def attend(lib: ctypes.CDLL, qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, threads: int = 2):
+    """(out [S, H hd], k cache, v cache) after attn_rows_masked on copies of the inputs."""
+    qkv, kc, vc = qkv.clone(), kc.clone(), vc.clone()
+    S, hd = qkv.shape[0], kc.shape[-1]
+    out = torch.empty(S, H * hd)
+    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                              vc.data_ptr(), kc.shape[1], start, None if m is None else m.data_ptr(), out.data_ptr(),
+                              threads)
+    assert rc == 0
+    return out, kc, vc
+
+
+def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None) -> torch.Tensor:
+    """float64 rotate-half rope, then each row's softmax attention over its visible slots."""
+    S, hd = qkv.shape[0], kc.shape[-1]
+    x = qkv.double().view(S, H + 2 * Hkv, hd)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    a, b = x[:, : H + Hkv, : hd // 2], x[:, : H + Hkv, hd // 2:]
+    qk = torch.cat([a * c - b * s, b * c + a * s], -1)
+    k = torch.cat([kc.double()[:, :start], qk[:, H:].transpose(0, 1)], 1)  # [Hkv, start + S, hd]
+    v = torch.cat([vc.double()[:, :start], x[:, H + Hkv:].transpose(0, 1)], 1)
+    out = torch.empty(S, H, hd, dtype=torch.float64)
+    for r in range(S):
+        seen = torch.arange(start + r + 1) if mask is None else \
+            torch.cat([torch.arange(start), start + mask[r].nonzero()[:, 0]])
+        for h in range(H):
+            kh = h // (H // Hkv)
+            w = (k[kh, seen] @ qk[r, h] / hd**0.5).softmax(0)
+            out[r, h] = w @ v[kh, seen]
+    return out.view(S, H * hd)
+
+
+def inputs(H: int, Hkv: int, hd: int, start: int, S: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n = start + S + 3
+    return (torch.randn(S, (H + 2 * Hkv) * hd, generator=g), torch.randn(Hkv, n, hd, generator=g),
+            torch.randn(Hkv, n, hd, generator=g), torch.randn(S, hd // 2, generator=g),
+            torch.randn(S, hd // 2, generator=g))
+
+
+def libraries() -> list[tuple[str, ctypes.CDLL]]:
+    return [(isa, bind_tree_kernels(native.library(isa))) for isa in native.supported_isas()]
+
+
+@pytest.mark.parametrize("H,Hkv,hd", SHAPES)
+@pytest.mark.parametrize("start", [0, 13, 72])
+def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, start):
+    S = 6
+    qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=H * 1000 + hd + start)
+    tril = torch.rand(S, S, generator=torch.Generator().manual_seed(start)) < 0.5
+    tree = (tril.tril() | torch.eye(S, dtype=torch.bool))
+    for mask in (None, tree):
+        ref = reference(qkv, kc, vc, cos, sin, start, H, Hkv, mask)
+        results = []
+        for name, lib in libraries():
+            for threads in (1, 2, 3):
+                out, k, v = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv, mask, threads)
+                results.append(((name, threads), out, k, v))
+        err = (results[0][1].double() - ref).abs().max() / ref.abs().max()
+        assert err < 1e-5, float(err)
+        first = results[0]
+        for r in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first[1:], r[1:])), (first[0], r[0], mask is None)
+
+
+@pytest.mark.parametrize("H,Hkv,hd", SHAPES[:6])
+def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd):
+    """Row r of a causal pass of S rows equals that token's pass alone after rows 0..r-1 (speculative
+    verification reproduces one-token decoding), with contexts across the 8-key groups and 32-key blocks."""
+    _, lib = libraries()[0]
+    for start in (5, 31, 64):
+        S = 9
+        qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=start + hd)
+        out, k_all, v_all = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
+        kc1, vc1 = kc.clone(), vc.clone()
+        for r in range(S):
+            one, kc1, vc1 = attend(lib, qkv[r:r + 1].contiguous(), kc1, vc1, cos[r:r + 1].contiguous(),
+                                   sin[r:r + 1].contiguous(), start + r, H, Hkv)
+            assert torch.equal(one[0], out[r]), (start, r)
+        assert torch.equal(kc1, k_all) and torch.equal(vc1, v_all)
