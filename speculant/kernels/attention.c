@@ -42,6 +42,14 @@ static void rope(float *x, const float *c, const float *s, int half) {
 #define KEYS 32 /* keys per block: the block's keys and values (32 x hd floats each) stay in L1 */
 #define HT 3      /* query heads a tile: each key or value vector loaded is used by HT heads */
 #define AI static inline __attribute__((always_inline)) /* inlined with constant nh, so a[][] stays in registers */
+/* TILE(g, nh) for the head tiles of G heads: HT (3) at a time, then the 1 or 2 left, nh constant at each call */
+#define HEAD_TILES(G, TILE)                                  \
+    do {                                                     \
+        int g_ = 0;                                          \
+        for (; g_ + HT <= (G); g_ += HT) TILE(g_, HT);       \
+        if ((G) - g_ == 2) TILE(g_, 2);                      \
+        else if ((G) - g_ == 1) TILE(g_, 1);                 \
+    } while (0)
 
 /* Rows j .. j+n-1 (those below LA) of a cache segment into L1, a block ahead of their use: the hardware
  * prefetcher alone streamed the cache at ~14 GB/s from 2 threads (the 1.5B's 28 layers at 1000 slots). */
@@ -137,10 +145,9 @@ static void attend_group(const float *q, int G, const float *kA, const float *vA
     const __m128 sv = _mm_set1_ps(scale);
     for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 4 keys x HT heads at a time */
         const int64_t j1 = j0 + KEYS < full ? j0 + KEYS : full;
-        int g = 0;
-        for (; g + HT <= G; g += HT) scores_tile(q + g * hd, HT, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
-        if (G - g == 2) scores_tile(q + g * hd, 2, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
-        else if (G - g == 1) scores_tile(q + g * hd, 1, kA, kB, LA, j0, j1, hd, sv, p + g * L8, L8, !g);
+#define SCORES(g, nh) scores_tile(q + (g) * hd, nh, kA, kB, LA, j0, j1, hd, sv, p + (g) * L8, L8, !(g))
+        HEAD_TILES(G, SCORES);
+#undef SCORES
     }
     for (int g = 0; g < G; g++) {
         float *pg = p + g * L8;
@@ -169,10 +176,9 @@ static void attend_group(const float *q, int G, const float *kA, const float *vA
      * accumulators live in o between blocks, so every output still sums over j in order */
     for (int64_t j0 = 0; j0 < L; j0 += KEYS) {
         const int64_t j1 = j0 + KEYS < L ? j0 + KEYS : L;
-        int g = 0;
-        for (; g + HT <= G; g += HT) wsum_tile(p + g * L8, HT, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
-        if (G - g == 2) wsum_tile(p + g * L8, 2, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
-        else if (G - g == 1) wsum_tile(p + g * L8, 1, L8, vA, vB, LA, j0, j1, hd, o + g * hd, !g);
+#define WSUM(g, nh) wsum_tile(p + (g) * L8, nh, L8, vA, vB, LA, j0, j1, hd, o + (g) * hd, !(g))
+        HEAD_TILES(G, WSUM);
+#undef WSUM
     }
     for (int g = 0; g < G; g++) {
         const __m256 inv = _mm256_set1_ps(p[(int64_t)G * L8 + g]);

@@ -95,12 +95,11 @@ class DraftLength:
         self.verify: dict[int, tuple[float, int]] = {}  # pass rows -> (seconds, rounds)
         self.draft_seconds = 0.0
         self.drafted = 0
-        self.rounds = 0  # timed speculative rounds
 
     def update(self, n_accepted: int, n_drafted: int) -> None:
         if self.cfg.schedule == "fixed" or n_drafted == 0:
             return
-        for j in range(1, min(n_drafted, n_accepted + 1, self.cfg.max_k) + 1):  # positions past max_k: not modelled
+        for j in range(1, min(n_drafted, n_accepted + 1) + 1):
             self.reached[j] += 1
             self.kept[j] += j <= n_accepted
         self.k = min(self.k + 2, self.cfg.max_k) if n_accepted == n_drafted else max(self.k - 1, 1)
@@ -108,15 +107,19 @@ class DraftLength:
     def observe(self, n_drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         """A speculative round drafted n_drafted tokens in draft_seconds; the target's pass over them (1 +
         n_drafted rows) and the round's bookkeeping took verify_seconds. Chooses the next round's k (auto)."""
-        if not self.measured or not 0 < n_drafted <= self.cfg.max_k:
+        if not self.measured or n_drafted == 0:
             return
         s, n = self.verify.get(n_drafted + 1, (0.0, 0))
         self.verify[n_drafted + 1] = (s + verify_seconds, n + 1)
         self.draft_seconds += draft_seconds
         self.drafted += n_drafted
-        self.rounds += 1
         if self.rounds >= self.cfg.warmup:
             self.k = self.best()
+
+    @property
+    def rounds(self) -> int:
+        """Timed speculative rounds so far."""
+        return sum(n for _, n in self.verify.values())
 
     def acceptance(self) -> list[float]:
         """a_j for j = 1..max_k (index 0 unused): measured, pulled towards a_{j-1} while rounds are few."""
