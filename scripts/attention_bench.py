@@ -1,11 +1,12 @@
 """Time the short-pass attention kernel (speculant/kernels/attention.c) alone, as a forward calls it.
 
-    .venv/bin/python scripts/attention_bench.py [--heads 12 --kv-heads 2 --head-dim 128 --layers 28]
+    .venv/bin/python scripts/attention_bench.py [--heads 12 --kv-heads 2 --head-dim 128 --layers 28] [--kv-dtypes f32 f16]
 
 Defaults: the 1.5B target's shape (Qwen2.5-Coder-1.5B); the 0.5B draft is --heads 14 --head-dim 64
 --layers 24. For each pass of S rows after L cached slots it prints the milliseconds of one call per
 layer, each layer with its own cache (streamed from memory, as in a forward) and, for comparison, all
-calls on one layer's cache (cache-resident), with the multiply-adds per second per thread.
+calls on one layer's cache (cache-resident), with the multiply-adds per second per thread; with
+--kv-dtypes f32 f16, both cache types side by side (the repeats alternate between them).
 Compare two trees side by side in one sitting (memory speed drifts): run it from each.
 """
 
@@ -17,6 +18,7 @@ import time
 import torch
 
 from speculant.models import native
+from speculant.models.cache import KV_DTYPES
 from speculant.models.fused import bind_tree_kernels
 from speculant.runtime import configure_threads
 
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--slots", type=int, nargs="+", default=[300, 1000])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--kv-dtypes", nargs="+", choices=list(KV_DTYPES), default=["f32"])
     a = ap.parse_args()
     configure_threads()
     lib = bind_tree_kernels(native.library())
@@ -37,27 +40,29 @@ def main() -> None:
     max_len = max(a.slots) + max(a.rows)
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(n, Hkv, max_len, hd, generator=g), torch.randn(n, Hkv, max_len, hd, generator=g)
+    caches = {name: (kc.to(KV_DTYPES[name]), vc.to(KV_DTYPES[name])) for name in a.kv_dtypes}
     threads = torch.get_num_threads()
     print(f"H={H} Hkv={Hkv} hd={hd}, {n} layers, {threads} threads, ISA build {native.supported_isas()[0]}")
     for S in a.rows:
         cos, sin = torch.randn(S, hd // 2, generator=g), torch.randn(S, hd // 2, generator=g)
         qkv, out = torch.randn(S, (H + 2 * Hkv) * hd, generator=g), torch.empty(S, H * hd)
         for L in a.slots:
-            times = {}
+            ts: dict[tuple[str, str], list[float]] = {}
             for how in ("streamed", "resident"):
-                ts = []
                 for _ in range(a.repeats):
-                    t = time.perf_counter()
-                    for layer in range(n):
-                        i = layer if how == "streamed" else 0
-                        lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
-                                             kc[i].data_ptr(), vc[i].data_ptr(), max_len, L, None, out.data_ptr(),
-                                             threads)
-                    ts.append(time.perf_counter() - t)
-                times[how] = sorted(ts)[len(ts) // 2]
+                    for name, (k, v) in caches.items():
+                        t = time.perf_counter()
+                        for layer in range(n):
+                            i = layer if how == "streamed" else 0
+                            lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
+                                                 k[i].data_ptr(), v[i].data_ptr(), max_len, L, None, out.data_ptr(),
+                                                 int(k.dtype == torch.float16), threads)
+                        ts.setdefault((name, how), []).append(time.perf_counter() - t)
             fma = n * H * hd * 2 * (S * L + S * (S + 1) / 2)
-            print(f"S={S} L={L}: streamed {times['streamed'] * 1e3:.2f} ms, resident {times['resident'] * 1e3:.2f} ms "
-                  f"({fma / times['resident'] / threads / 1e9:.1f} G fma/s a thread)")
+            for name in caches:
+                st, rs = (sorted(ts[name, how])[a.repeats // 2] for how in ("streamed", "resident"))
+                print(f"S={S} L={L} {name}: streamed {st * 1e3:.2f} ms, resident {rs * 1e3:.2f} ms "
+                      f"({fma / rs / threads / 1e9:.1f} G fma/s a thread)")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format of the draft (default: as --dtype; without --dtype, q4_0 for a .gguf draft stored "
                         "in more bits, else the file's own: drafting streams the draft's weights every token, and its "
                         "format never changes the output)")
+    p.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32",
+                   help="keys and values in the KV caches: f32 (default) or f16 (half the memory and the streaming of "
+                        "long contexts; rounds them once, as llama.cpp's default f16 cache does; exact all the same: "
+                        "every method reads the same cache as ar)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("auto", "fixed", "heuristic"), default=None,
                    help="fixed k; heuristic: grow on full acceptance, shrink otherwise; auto (default): heuristic, "
@@ -215,11 +219,11 @@ def load_engine(args: argparse.Namespace):
         governor=GovernorConfig(args.governor or GovernorConfig().mode),
     )
     progress = not args.no_progress
-    target = load_model(args.model, args.dtype, device=args.device, progress=progress)
+    target = load_model(args.model, args.dtype, device=args.device, progress=progress, kv_dtype=args.kv_dtype)
     draft = None
     if args.draft:
         draft = load_model(args.draft, args.draft_dtype or args.dtype, device=args.device, progress=progress,
-                           draft=True)
+                           draft=True, kv_dtype=args.kv_dtype)
     return Engine(target, draft, cfg, threads=args.threads)
 
 

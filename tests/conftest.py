@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from speculant.models import LoadedModel
+from speculant.models.cache import kv_dtype as kv_dtype_of
 from speculant.models.config import ModelConfig
 from speculant.models.formats import make_linear
 from speculant.models.transformer import Block, Transformer
@@ -27,8 +28,9 @@ def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
 
 def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                hidden: int = 64, context: int = 256, arch: str = "qwen2", fmt: str = "float32",
-               logit_scale: float = 1.0, eos: int | None = None) -> LoadedModel:
-    """A random-weight Transformer wrapped like a loaded model. `logit_scale` sharpens its distributions."""
+               logit_scale: float = 1.0, eos: int | None = None, kv_dtype: str = "f32") -> LoadedModel:
+    """A random-weight Transformer wrapped like a loaded model. `logit_scale` sharpens its distributions;
+    `kv_dtype` (f32, f16) is that of the KV caches it makes."""
     g = torch.Generator().manual_seed(seed)
     cfg = ModelConfig(arch=arch, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads, hidden_dim=hidden,
                       vocab_size=vocab, context_length=context, qkv_bias=arch == "qwen2", rope_base=10000.0)
@@ -51,6 +53,7 @@ def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2,
     embed = rnd(vocab, dim, std=1.0)
     head = make_linear(rnd(vocab, dim, std=logit_scale), None, fmt)
     model = Transformer(cfg, embed, blocks, 1 + rnd(dim, std=0.1), head)
+    model.kv_dtype = kv_dtype_of(kv_dtype)
     return LoadedModel(name=f"tiny-{seed}", path=None, model=model, tokenizer=tiny_tokenizer(vocab, eos), dtype=fmt)
 
 

@@ -1,7 +1,8 @@
 """The short-pass attention kernel (speculant/kernels/attention.c) on its own: close to a float64
 reference, and bit for bit the same whatever the rows that share the pass, the thread count, the
 instruction set it was built for, or how its query heads are tiled (group sizes 1..8 cover every
-remainder of its 3-head tiles; head sizes 8..128 every remainder of its 32-wide value chunks)."""
+remainder of its 3-head tiles; head sizes 8..128 every remainder of its 32-wide value chunks), with a
+float32 and a float16 cache (--kv-dtype f16: stored rounded to nearest even, read back exactly)."""
 
 import ctypes
 
@@ -18,20 +19,21 @@ SHAPES = [(12, 2, 128), (14, 2, 64), (9, 3, 64), (8, 8, 64), (8, 1, 80), (16, 2,
 
 
 def attend(lib: ctypes.CDLL, qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, threads: int = 2):
-    """(out [S, H hd], k cache, v cache) after attn_rows_masked on copies of the inputs."""
+    """(out [S, H hd], k cache, v cache) after attn_rows_masked on copies of the inputs (caches of their dtype)."""
     qkv, kc, vc = qkv.clone(), kc.clone(), vc.clone()
     S, hd = qkv.shape[0], kc.shape[-1]
     out = torch.empty(S, H * hd)
     m = None if mask is None else mask.to(torch.uint8).contiguous()
     rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
                               vc.data_ptr(), kc.shape[1], start, None if m is None else m.data_ptr(), out.data_ptr(),
-                              threads)
+                              int(kc.dtype == torch.float16), threads)
     assert rc == 0
     return out, kc, vc
 
 
-def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None) -> torch.Tensor:
-    """float64 rotate-half rope, then each row's softmax attention over its visible slots."""
+def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, stored=None) -> torch.Tensor:
+    """float64 rotate-half rope, then each row's softmax attention over its visible slots; `stored`: the
+    (k, v) caches the kernel wrote, whose new rows (rounded to float16) are the keys and values then."""
     S, hd = qkv.shape[0], kc.shape[-1]
     x = qkv.double().view(S, H + 2 * Hkv, hd)
     c, s = cos.double()[:, None], sin.double()[:, None]
@@ -39,6 +41,8 @@ def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None) ->
     qk = torch.cat([a * c - b * s, b * c + a * s], -1)
     k = torch.cat([kc.double()[:, :start], qk[:, H:].transpose(0, 1)], 1)  # [Hkv, start + S, hd]
     v = torch.cat([vc.double()[:, :start], x[:, H + Hkv:].transpose(0, 1)], 1)
+    if stored is not None:
+        k, v = stored[0].double()[:, : start + S], stored[1].double()[:, : start + S]
     out = torch.empty(S, H, hd, dtype=torch.float64)
     for r in range(S):
         seen = torch.arange(start + r + 1) if mask is None else \
@@ -64,18 +68,21 @@ def libraries() -> list[tuple[str, ctypes.CDLL]]:
 
 @pytest.mark.parametrize("H,Hkv,hd", SHAPES)
 @pytest.mark.parametrize("start", [0, 13, 72])
-def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, start):
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, start, kv):
     S = 6
     qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=H * 1000 + hd + start)
+    kc, vc = kc.to(kv), vc.to(kv)
     tril = torch.rand(S, S, generator=torch.Generator().manual_seed(start)) < 0.5
     tree = (tril.tril() | torch.eye(S, dtype=torch.bool))
     for mask in (None, tree):
-        ref = reference(qkv, kc, vc, cos, sin, start, H, Hkv, mask)
         results = []
         for name, lib in libraries():
             for threads in (1, 2, 3):
                 out, k, v = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv, mask, threads)
                 results.append(((name, threads), out, k, v))
+        stored = results[0][2:] if kv == torch.float16 else None
+        ref = reference(qkv, kc, vc, cos, sin, start, H, Hkv, mask, stored)
         err = (results[0][1].double() - ref).abs().max() / ref.abs().max()
         assert err < 1e-5, float(err)
         first = results[0]
@@ -83,14 +90,35 @@ def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, 
             assert all(torch.equal(a, b) for a, b in zip(first[1:], r[1:])), (first[0], r[0], mask is None)
 
 
+def test_a_float16_cache_stores_the_float32_rows_rounded_to_nearest_even():
+    """The rows a pass writes to a float16 cache are those it writes to a float32 one, rounded as torch's
+    .half() rounds them (so the C path and torch's cache.write store the same bits); other slots untouched."""
+    H, Hkv, hd, start, S = 12, 2, 128, 40, 5
+    qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=7)
+    qkv = qkv * 3e4  # past float16's range: inf
+    v0 = (H + Hkv) * hd  # row 0's first value vector: into float16's subnormals (below 2^-14)
+    qkv[0, v0:v0 + hd] = torch.linspace(-3e-5, 3e-5, hd)
+    for _, lib in libraries():
+        _, k32, v32 = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
+        _, k16, v16 = attend(lib, qkv, kc.half(), vc.half(), cos, sin, start, H, Hkv)
+        new = slice(start, start + S)
+        assert torch.equal(k16[:, new], k32[:, new].half()) and torch.equal(v16[:, new], v32[:, new].half())
+        assert torch.equal(k16[:, :start], kc[:, :start].half()) and torch.equal(v16[:, start + S:], vc[:, start + S:].half())
+        stored = v16[:, new].float()
+        assert torch.isinf(stored).any()  # the overflow case was exercised, and gradual underflow:
+        assert ((stored != 0) & (stored.abs() < 2**-14)).sum() > hd // 2
+
+
 @pytest.mark.parametrize("H,Hkv,hd", SHAPES[:6])
-def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd):
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd, kv):
     """Row r of a causal pass of S rows equals that token's pass alone after rows 0..r-1 (speculative
     verification reproduces one-token decoding), with contexts across the 8-key groups and 32-key blocks."""
     _, lib = libraries()[0]
     for start in (5, 31, 64):
         S = 9
         qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=start + hd)
+        kc, vc = kc.to(kv), vc.to(kv)
         out, k_all, v_all = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
         kc1, vc1 = kc.clone(), vc.clone()
         for r in range(S):

@@ -150,6 +150,24 @@ def test_tiny_gguf_file_generates(capsys, tmp_path, monkeypatch):
     assert set(out.strip()) <= set("abc")
 
 
+def test_kv_dtype_reaches_both_models_and_generates(capsys, tmp_path, monkeypatch):
+    import torch
+
+    from speculant.cli import build_parser, load_engine
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = str(write_gguf(tmp_path / "tiny.gguf"))
+    args = ["generate", "--model", path, "--draft", path, "--dtype", "float32", "-n", "5", "--no-progress"]
+    engine = load_engine(build_parser().parse_args([*args, "--kv-dtype", "f16", "ab"]))
+    assert engine.target.model.kv_dtype == engine.draft.model.kv_dtype == torch.float16
+    assert load_engine(build_parser().parse_args([*args, "ab"])).target.model.kv_dtype == torch.float32  # default
+    outs = [run(capsys, *args, *kv, "ab") for kv in ((), ("--kv-dtype", "f16"))]
+    assert all(rc == 0 for rc, _, _ in outs), outs
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q8' (choose from f32, f16)"
+        build_parser().parse_args([*args, "--kv-dtype", "q8", "ab"])
+    assert "invalid choice: 'q8'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, needles", [
     (["--model", "no-such-model"], ["unknown model", "qwen2.5-coder-1.5b-instruct"]),
     (["--model", "/nonexistent/model.gguf"], ["not found"]),

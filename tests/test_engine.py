@@ -61,6 +61,19 @@ def test_greedy_output_identical_for_every_method(pair, k, schedule):
     assert outs["self"].stats.target_forwards < 40
 
 
+def test_greedy_output_identical_for_every_method_with_float16_caches():
+    """--kv-dtype f16 (target and draft): every method's output is still ar's, token for token."""
+    target = tiny_model(32, seed=1, logit_scale=3.0, kv_dtype="f16")
+    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1, kv_dtype="f16")
+    gen = GenerationConfig(max_new_tokens=40)
+    outs = {name: e.generate(PROMPT, gen) for name, e in engines(target, draft, k=3, max_k=8, warmup=1).items()}
+    ref = outs["ar"].token_ids
+    assert len(ref) == 40 and target.model.new_cache(4).k.dtype == torch.float16
+    for name, done in outs.items():
+        assert done.token_ids == ref, name
+    assert outs["self"].stats.acceptance_rate == 1.0
+
+
 def test_greedy_with_penalties_and_bias_is_identical_for_every_method(pair):
     """Greedy decoding takes the top token after logit bias and penalties: every method emits what a
     token-by-token loop over the reference penalties emits."""
@@ -148,6 +161,7 @@ METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
     ("hybrid", SamplingConfig(1.0, top_p=0.8)),
     ("hybrid-never", SamplingConfig(0.8, top_k=3)),  # unchecked guesses, then the model's own drafts
     ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
+    ("hybrid-f16", SamplingConfig(1.0, top_p=0.9)),  # float16 KV caches (--kv-dtype f16), target and draft
     # the governor turns rounds plain and back (2 rounds each way, then up to 4 by measured speed)
     ("draft-governed", SamplingConfig(1.0, top_p=0.9)),
     # the auto draft length: governed (so timed), the k of every round after the first chosen from measurements
@@ -171,8 +185,9 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     name, _, variant = method.partition("-")
     # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
     V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed", "auto") else 4, 3000
-    target = tiny_model(V, seed=5, logit_scale=0.2)
-    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
+    kv = "f16" if variant == "f16" else "f32"
+    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv)
+    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1, kv_dtype=kv)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
     exp = exact_marginals(target, prompt, sampling, n_tok)
     # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where

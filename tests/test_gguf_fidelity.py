@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 from speculant.bench.speed import compare_logits, fidelity_logits, fidelity_text
 from speculant.models import load_model
@@ -45,6 +46,16 @@ def test_gguf_default_is_as_close_to_the_file_as_llama_cpp():
     print(f"{name} gguf vs float32, {got.positions} positions: mean KL {got.mean_kl:.5f}, "
           f"top-1 {100 * got.top1_agreement:.2f}%")
     msg = f"mean KL {got.mean_kl:.5f}, top-1 {100 * got.top1_agreement:.2f}%"
+    assert got.mean_kl <= 1.5 * LLAMA_CPP_MEAN_KL, msg
+    assert got.top1_agreement >= LLAMA_CPP_TOP1 - 0.01, msg
+    # --kv-dtype f16 (llama.cpp's default cache type, which its numbers above include) is held to the same
+    # level against the same float32 reference (measured here over 4 chunks, 1,020 positions: mean KL
+    # 0.001405 against 0.001382 with the float32 cache; top-1 97.84% against 98.14%)
+    ours.model.kv_dtype = torch.float16
+    got = compare_logits(name, "gguf", want, fidelity_logits(ours.model, ids, chunks=2))
+    ours.model.kv_dtype = torch.float32
+    msg = f"float16 KV cache: mean KL {got.mean_kl:.5f}, top-1 {100 * got.top1_agreement:.2f}%"
+    print(msg)
     assert got.mean_kl <= 1.5 * LLAMA_CPP_MEAN_KL, msg
     assert got.top1_agreement >= LLAMA_CPP_TOP1 - 0.01, msg
     # the prompt route (one 512-token pass per chunk: gq_gemm with int8 activations where it leads, else

@@ -71,10 +71,12 @@ def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_H
     assert torch.equal(tc.v[:, :, : tc.length], chain.v[:, :, : tc.length])
 
 
-@pytest.mark.parametrize("fmt", ["float32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt, kv", [("float32", "f32"), ("q8_0", "f32"), ("q4_1", "f32"), ("float32", "f16"),
+                                     ("q8_0", "f16")])
 @pytest.mark.parametrize("prompt_len", [5, 16, 21])
-def test_tree_rows_equal_their_chains(fmt, prompt_len):
-    model = tiny_model(40, seed=3, dim=64, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt).model
+def test_tree_rows_equal_their_chains(fmt, kv, prompt_len):
+    model = tiny_model(40, seed=3, dim=64, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt, kv_dtype=kv).model
+    assert model.new_cache(8).k.dtype == (torch.float16 if kv == "f16" else torch.float32)
     if fmt != "float32" and tr.native_kernels() is not None:
         assert model.fused_blocks() is not None  # the fused C path is the one under test
     exact = fmt != "float32"
@@ -82,12 +84,13 @@ def test_tree_rows_equal_their_chains(fmt, prompt_len):
     check_tree(model, prompt_len, 31, seed=prompt_len + 1, invariant=exact)  # the largest short pass
 
 
-def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch):
-    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0").model
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch, kv):
+    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0", kv_dtype=kv).model
     model._fused = False  # the per-layer path: attn_rows_masked in C, linears per layer
     check_tree(model, 11, 12, seed=0, taps=(1, FINAL_HIDDEN))
     monkeypatch.setattr(tr, "native_kernels", lambda: None)  # torch only (no compiler / not x86)
-    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2).model
+    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, kv_dtype=kv).model
     check_tree(model, 11, 12, seed=1, invariant=False)
 
 

@@ -37,6 +37,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
     s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
+    s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="our KV caches' type (default f32)")
     s.add_argument("--repeats", type=int, default=5, help="repeats per timing (median reported)")
     s.add_argument("--ks", type=int, nargs="+", default=list(KS), help="cost-curve batch sizes")
     s.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measurement")
@@ -111,7 +112,7 @@ def _speed(args: argparse.Namespace) -> int:
     dtypes = args.dtypes or _default_dtypes()
     cfg = SpeedConfig(models=tuple(args.models), dtypes=tuple(dict.fromkeys(dtypes)), tokens=args.tokens,
                       cache=args.cache, repeats=args.repeats, ks=tuple(sorted(set(args.ks))),
-                      against=tuple(args.against), bandwidth_gib=args.bandwidth_gib)
+                      against=tuple(args.against), bandwidth_gib=args.bandwidth_gib, kv_dtype=args.kv_dtype)
     out = output_dir(args.out)
     threads = configure_threads(args.threads)
     err = Console(stderr=True)
@@ -165,7 +166,8 @@ def _methods(args: argparse.Namespace) -> int:
     dl = base.method.draft_length
     result.info = {
         "target": args.model, "draft": args.draft if need_draft else None, "dtype": base.target.dtype,
-        "draft_dtype": base.draft.dtype if base.draft is not None else None, "threads": torch.get_num_threads(),
+        "draft_dtype": base.draft.dtype if base.draft is not None else None, "kv_dtype": args.kv_dtype,
+        "threads": torch.get_num_threads(),
         "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
         "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},
         "min_confidence": base.method.draft_model.min_confidence, "lookup_max_ngram": base.method.lookup.max_ngram,

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
+from ..models.cache import kv_dtype
 from ..models.formats import WEIGHT_FORMATS
 from ..models.transformer import Transformer
 from ..sampling import top_token
@@ -58,8 +59,10 @@ class SpeedConfig:
     ks: tuple[int, ...] = KS
     against: tuple[str, ...] = ()
     bandwidth_gib: float = 1.0
+    kv_dtype: str = "f32"  # of our KV caches (cache.KV_DTYPES)
 
     def __post_init__(self) -> None:
+        kv_dtype(self.kv_dtype)  # a clear error for anything but f32 / f16
         if not self.models:
             raise SpeculantError("--models needs at least one model")
         bad = [d for d in self.dtypes if d not in WEIGHT_FORMATS]

@@ -67,7 +67,7 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
             ids: list[int] = []
             for dtype in cfg.dtypes:
                 bar.update(task, description=f"{spec} ({dtype}): loading")
-                lm = load_model(spec, dtype, progress=False)
+                lm = load_model(spec, dtype, progress=False, kv_dtype=cfg.kv_dtype)
                 ids = bench_ids(lm.tokenizer.encode, cfg.cache)
                 bar.update(task, description=f"{spec} ({dtype}): measuring")
                 result.rows.append(_bracketed(cfg, result, lambda: measure_model(lm.model, spec, dtype, ids, cfg)))
@@ -142,7 +142,7 @@ def speed_tables(result: SpeedResult) -> list[Table]:
                      fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; bw = memory bandwidth, the mean of torch.sum over {cfg.bandwidth_gib:g} GiB "
+        f"{result.threads} threads; our KV caches in {cfg.kv_dtype}; bw = memory bandwidth, the mean of torch.sum over {cfg.bandwidth_gib:g} GiB "
         f"float32 right before and after each row ({_span(result.bandwidths)} GB/s in this run); % of bw = GB/s "
         "against it.",
         f"prefill: one forward over a {cfg.cache}-token prompt; decode: {cfg.tokens} greedy tokens after it, one "

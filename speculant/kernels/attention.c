@@ -15,10 +15,13 @@
  * time) and the tail one at a time; with c0 a multiple of 8 no group of 8 straddles the two segments,
  * so every score and every sum is the chain's, bit for bit.
  *
- * Layouts (float32, contiguous):
+ * Layouts (float32 unless said, contiguous):
  *   qkv  [S][(H + 2 Hkv) hd]   projections after bias; q and k are rotated in place
  *   cos, sin [S][hd/2]          rotate-half tables at the rows' positions
- *   kc, vc   [Hkv][max_len][hd] this layer's cache; rows go to slots start .. start + S - 1
+ *   kc, vc   [Hkv][max_len][hd] this layer's cache, float32 or (kv16) float16; rows go to slots
+ *                               start .. start + S - 1 (float16: rounded to nearest even, as torch's
+ *                               .half(), and widened exactly on every read, so all the arithmetic
+ *                               below is float32 either way)
  *   mask [S][S] uint8 or NULL   NULL: causal (row s attends to slots 0 .. start + s)
  *   out  [S][H hd]
  */
@@ -51,25 +54,45 @@ static void rope(float *x, const float *c, const float *s, int half) {
         else if ((G) - g_ == 1) TILE(g_, 1);                 \
     } while (0)
 
-/* Rows j .. j+n-1 (those below LA) of a cache segment into L1, a block ahead of their use: the hardware
- * prefetcher alone streamed the cache at ~14 GB/s from 2 threads (the 1.5B's 28 layers at 1000 slots). */
-AI void prefetch_rows(const float *a, int64_t j, int n, int64_t LA, int hd) {
+/* Bytes of a cache row of hd values */
+AI int64_t row_bytes(int64_t hd, int f16) { return hd * (f16 ? 2 : 4); }
+
+/* 8 values of a cache row from element i: float32, or float16 widened (exactly) to float32 */
+AI __m256 ld8(const void *row, int i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
+               : _mm256_loadu_ps((const float *)row + i);
+}
+
+/* A cache row (hd values) from a float32 one: copied, or rounded to float16 (nearest even) */
+static void store_row(void *dst, const float *src, int64_t hd, int f16) {
+    if (!f16) {
+        memcpy(dst, src, hd * sizeof(float));
+        return;
+    }
+    for (int64_t d = 0; d < hd; d += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* Rows j .. j+n-1 (those below LA) of a cache segment (rows of rb bytes) into L1, a block ahead of their use:
+ * the hardware prefetcher alone streamed the cache at ~14 GB/s from 2 threads (the 1.5B's 28 layers at 1000
+ * slots). */
+AI void prefetch_rows(const void *a, int64_t j, int n, int64_t LA, int64_t rb) {
     for (int i = 0; i < n && j + i < LA; i++)
-        for (int c = 0; c < hd; c += 16) _mm_prefetch((const char *)(a + (j + i) * hd + c), _MM_HINT_T0);
+        for (int64_t c = 0; c < rb; c += 64) _mm_prefetch((const char *)a + (j + i) * rb + c, _MM_HINT_T0);
 }
 
 /* Scores of nh (<= HT) queries (hd apart) against 4 keys: p[h * L8 + i] = scale * q_h . k_i. Each lane is
  * an fma chain over hd in order, then one hadd tree per head (the pairwise sum of the 8 lanes); loading
  * each key chunk once for all nh heads is what this tiling is for. Per (head, key) the same operations
  * whatever nh, G or the neighbouring keys, so a score does not depend on the tiling. */
-AI void scores4(const float *q, int nh, const float *k0, const float *k1, const float *k2, const float *k3, int hd,
-                __m128 sv, float *p, int64_t L8) {
+AI void scores4(const float *q, int nh, const void *k0, const void *k1, const void *k2, const void *k3, int hd,
+                __m128 sv, float *p, int64_t L8, int f16) {
     __m256 a[HT][4];
     for (int h = 0; h < nh; h++)
         for (int i = 0; i < 4; i++) a[h][i] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d), x2 = _mm256_loadu_ps(k2 + d),
-                     x3 = _mm256_loadu_ps(k3 + d);
+        const __m256 x0 = ld8(k0, d, f16), x1 = ld8(k1, d, f16), x2 = ld8(k2, d, f16), x3 = ld8(k3, d, f16);
         for (int h = 0; h < nh; h++) {
             const __m256 qh = _mm256_loadu_ps(q + h * hd + d);
             a[h][0] = _mm256_fmadd_ps(qh, x0, a[h][0]);
@@ -87,22 +110,23 @@ AI void scores4(const float *q, int nh, const float *k0, const float *k1, const 
 }
 
 /* The key/value rows of virtual index j: the first LA in kA/vA, the rest in kB/vB (LA is L or a
- * multiple of 8, so a group of 8 keys at a multiple of 8 lies in one segment). */
-#define SEG(a, b, j) ((j) < LA ? (a) + (j) * hd : (b) + ((j) - LA) * hd)
+ * multiple of 8, so a group of 8 keys at a multiple of 8 lies in one segment); rows of rb bytes. */
+#define SEG(a, b, j) ((j) < LA ? (const char *)(a) + (j) * rb : (const char *)(b) + ((j) - LA) * rb)
 
 /* o[h * hd + d0 + 8 i + lane] (i < nv, h < nh) += sum over keys j0 .. j1-1, in order, of p[h * L8 + j] v_j[...]:
  * one fma chain per output lane (starting from o's value unless j0 = 0), each value vector loaded once
  * for the nh heads. */
-AI void wsum(const float *p, int nh, int64_t L8, const float *vA, const float *vB, int64_t LA, int64_t j0, int64_t j1,
-             int hd, int d0, int nv, float *o, int pf) {
+AI void wsum(const float *p, int nh, int64_t L8, const void *vA, const void *vB, int64_t LA, int64_t j0, int64_t j1,
+             int hd, int d0, int nv, float *o, int pf, int f16) {
+    const int64_t rb = row_bytes(hd, f16);
     __m256 acc[HT][4];
     for (int h = 0; h < nh; h++)
         for (int i = 0; i < nv; i++) acc[h][i] = j0 ? _mm256_loadu_ps(o + h * hd + d0 + 8 * i) : _mm256_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
-        const float *vj = SEG(vA, vB, j) + d0;
-        if (pf) prefetch_rows(vA, j + KEYS, 1, LA, hd);
+        const void *vj = SEG(vA, vB, j);
+        if (pf) prefetch_rows(vA, j + KEYS, 1, LA, rb);
         __m256 v[4];
-        for (int i = 0; i < nv; i++) v[i] = _mm256_loadu_ps(vj + 8 * i);
+        for (int i = 0; i < nv; i++) v[i] = ld8(vj, d0 + 8 * i, f16);
         for (int h = 0; h < nh; h++) {
             const __m256 pj = _mm256_set1_ps(p[h * L8 + j]);
             for (int i = 0; i < nv; i++) acc[h][i] = _mm256_fmadd_ps(pj, v[i], acc[h][i]);
@@ -114,19 +138,21 @@ AI void wsum(const float *p, int nh, int64_t L8, const float *vA, const float *v
 
 /* The scores and weighted sums of one tile of nh heads (constant at each call site, so each gets its
  * own unrolled copy). */
-AI void scores_tile(const float *q, int nh, const float *kA, const float *kB, int64_t LA, int64_t j0, int64_t j1,
-                    int hd, __m128 sv, float *p, int64_t L8, int pf) {
+AI void scores_tile(const float *q, int nh, const void *kA, const void *kB, int64_t LA, int64_t j0, int64_t j1,
+                    int hd, __m128 sv, float *p, int64_t L8, int pf, int f16) {
+    const int64_t rb = row_bytes(hd, f16);
     for (int64_t j = j0; j < j1; j += 4) {
-        if (pf) prefetch_rows(kA, j + KEYS, 4, LA, hd);
-        scores4(q, nh, SEG(kA, kB, j), SEG(kA, kB, j + 1), SEG(kA, kB, j + 2), SEG(kA, kB, j + 3), hd, sv, p + j, L8);
+        if (pf) prefetch_rows(kA, j + KEYS, 4, LA, rb);
+        scores4(q, nh, SEG(kA, kB, j), SEG(kA, kB, j + 1), SEG(kA, kB, j + 2), SEG(kA, kB, j + 3), hd, sv, p + j, L8,
+                f16);
     }
 }
 
-AI void wsum_tile(const float *p, int nh, int64_t L8, const float *vA, const float *vB, int64_t LA, int64_t j0,
-                  int64_t j1, int hd, float *o, int pf) {
+AI void wsum_tile(const float *p, int nh, int64_t L8, const void *vA, const void *vB, int64_t LA, int64_t j0,
+                  int64_t j1, int hd, float *o, int pf, int f16) {
     int d0 = 0;
-    for (; d0 + 32 <= hd; d0 += 32) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 4, o, pf && !d0);
-    for (; d0 < hd; d0 += 8) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 1, o, pf && !d0);
+    for (; d0 + 32 <= hd; d0 += 32) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 4, o, pf && !d0, f16);
+    for (; d0 < hd; d0 += 8) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 1, o, pf && !d0, f16);
 }
 
 /* One query row of the G heads that share one key/value head, against slots 0 .. L-1.
@@ -139,22 +165,22 @@ AI void wsum_tile(const float *p, int nh, int64_t L8, const float *vA, const flo
  * 1 row after 1000 4.3-5.5 -> 4.6-4.8 ms (streaming the cache bounds it). The same bits as before: each
  * (head, key) score and each output lane is the same chain of operations. What each head computes, and
  * in which order, does not depend on G's neighbours, on the tiling or on other rows. */
-static void attend_group(const float *q, int G, const float *kA, const float *vA, int64_t LA, const float *kB,
-                         const float *vB, int64_t L, int hd, float scale, float *p, float *o) {
-    const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7;
+AI void attend_group(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
+                     const void *vB, int64_t L, int hd, float scale, float *p, float *o, int f16) {
+    const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7, rb = row_bytes(hd, f16);
     const __m128 sv = _mm_set1_ps(scale);
     for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 4 keys x HT heads at a time */
         const int64_t j1 = j0 + KEYS < full ? j0 + KEYS : full;
-#define SCORES(g, nh) scores_tile(q + (g) * hd, nh, kA, kB, LA, j0, j1, hd, sv, p + (g) * L8, L8, !(g))
+#define SCORES(g, nh) scores_tile(q + (g) * hd, nh, kA, kB, LA, j0, j1, hd, sv, p + (g) * L8, L8, !(g), f16)
         HEAD_TILES(G, SCORES);
 #undef SCORES
     }
     for (int g = 0; g < G; g++) {
         float *pg = p + g * L8;
         for (int64_t j = full; j < L; j++) {  /* the last L % 8 keys one at a time */
-            const float *kj = SEG(kA, kB, j);
+            const void *kj = SEG(kA, kB, j);
             __m256 a = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), _mm256_loadu_ps(kj + d), a);
+            for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), ld8(kj, d, f16), a);
             pg[j] = hsum(a) * scale;
         }
         for (int64_t j = L; j < L8; j++) pg[j] = -INFINITY;
@@ -176,7 +202,7 @@ static void attend_group(const float *q, int G, const float *kA, const float *vA
      * accumulators live in o between blocks, so every output still sums over j in order */
     for (int64_t j0 = 0; j0 < L; j0 += KEYS) {
         const int64_t j1 = j0 + KEYS < L ? j0 + KEYS : L;
-#define WSUM(g, nh) wsum_tile(p + (g) * L8, nh, L8, vA, vB, LA, j0, j1, hd, o + (g) * hd, !(g))
+#define WSUM(g, nh) wsum_tile(p + (g) * L8, nh, L8, vA, vB, LA, j0, j1, hd, o + (g) * hd, !(g), f16)
         HEAD_TILES(G, WSUM);
 #undef WSUM
     }
@@ -186,18 +212,29 @@ static void attend_group(const float *q, int G, const float *kA, const float *vA
     }
 }
 
+/* attend_group for each cache type, each its own compiled copy (constant f16) */
+static void attend_f32(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
+                       const void *vB, int64_t L, int hd, float scale, float *p, float *o) {
+    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, 0);
+}
+static void attend_f16(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
+                       const void *vB, int64_t L, int hd, float scale, float *p, float *o) {
+    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, 1);
+}
+
 /* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8. */
 int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
-                     float *kc, float *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out,
+                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv16,
                      int nthreads) {
     if (hd % 8) return -2;
-    const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv;
+    const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv, rb = row_bytes(hd, kv16);
+    char *kc8 = (char *)kc, *vc8 = (char *)vc;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * width;
         for (int64_t h = 0; h < H + Hkv; h++) rope(row + h * hd, cos + s * half, sin + s * half, (int)half);
         for (int64_t h = 0; h < Hkv; h++) {
-            memcpy(kc + (h * max_len + start + s) * hd, row + (H + h) * hd, hd * sizeof(float));
-            memcpy(vc + (h * max_len + start + s) * hd, row + (H + Hkv + h) * hd, hd * sizeof(float));
+            store_row(kc8 + (h * max_len + start + s) * rb, row + (H + h) * hd, hd, kv16);
+            store_row(vc8 + (h * max_len + start + s) * rb, row + (H + Hkv + h) * hd, hd, kv16);
         }
     }
     const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7, c0 = start & ~(int64_t)7;
@@ -218,32 +255,32 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
 #pragma omp parallel num_threads(nthreads)
     {
         float *p = scratch + need * omp_get_thread_num();
-        float *kB = p + per * Lmax8 + per, *vB = kB + tail * hd;
+        char *kB = (char *)(p + per * Lmax8 + per), *vB = kB + tail * rb;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs * parts; t++) {
             /* a thread's tasks are consecutive rows of one key/value head: the rows after the first read its
              * keys and values from L2 (or L3), not memory */
             const int64_t kh = t / (S * parts), s = t / parts % S, h0 = kh * group + t % parts * per;
             const int64_t g = kh * group + group - h0 < per ? kh * group + group - h0 : per;
-            const float *k = kc + kh * max_len * hd, *v = vc + kh * max_len * hd;
+            const char *k = kc8 + kh * max_len * rb, *v = vc8 + kh * max_len * rb;
             int64_t L = start + s + 1, LA = L;
             if (mask) { /* gather the committed keys from c0 and the row's visible pass rows */
                 int64_t n = 0;
                 for (int64_t j = c0; j < start; j++, n++) {
-                    memcpy(kB + n * hd, k + j * hd, hd * sizeof(float));
-                    memcpy(vB + n * hd, v + j * hd, hd * sizeof(float));
+                    memcpy(kB + n * rb, k + j * rb, rb);
+                    memcpy(vB + n * rb, v + j * rb, rb);
                 }
                 for (int64_t r = 0; r < S; r++)
                     if (mask[s * S + r]) {
-                        memcpy(kB + n * hd, k + (start + r) * hd, hd * sizeof(float));
-                        memcpy(vB + n * hd, v + (start + r) * hd, hd * sizeof(float));
+                        memcpy(kB + n * rb, k + (start + r) * rb, rb);
+                        memcpy(vB + n * rb, v + (start + r) * rb, rb);
                         n++;
                     }
                 LA = c0;
                 L = c0 + n;
             }
-            attend_group(qkv + s * width + h0 * hd, (int)g, k, v, LA, kB, vB, L, (int)hd, scale, p,
-                         out + s * H * hd + h0 * hd);
+            (kv16 ? attend_f16 : attend_f32)(qkv + s * width + h0 * hd, (int)g, k, v, LA, kB, vB, L, (int)hd, scale,
+                                             p, out + s * H * hd + h0 * hd);
         }
     }
     free(scratch);
@@ -252,5 +289,5 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
 
 int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
               float *kc, float *vc, int64_t max_len, int64_t start, float *out, int nthreads) {
-    return attn_rows_masked(qkv, S, H, Hkv, hd, cos, sin, kc, vc, max_len, start, NULL, out, nthreads);
+    return attn_rows_masked(qkv, S, H, Hkv, hd, cos, sin, kc, vc, max_len, start, NULL, out, 0, nthreads);
 }

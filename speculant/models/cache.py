@@ -4,6 +4,11 @@ Slots 0..length-1 hold committed keys/values. A forward writes its S new tokens 
 length..length+S-1 and advances `length`; `rollback(n)` is O(1) (it moves the length: the stale
 slots are simply overwritten later); `keep(indices)` commits a subset of the last forward's slots
 (a tree path) with one gather-copy per layer.
+
+Keys and values are stored in float32 or float16 (`--kv-dtype`, KV_DTYPES): float16 rounds each
+value once as it is written (to nearest even) and halves the cache's memory and what one-token
+decoding streams of it; every computation on it stays float32. Speculative output is still the
+target's: `ar` and every method read the same rounded keys and values.
 """
 
 from __future__ import annotations
@@ -14,11 +19,24 @@ from torch import Tensor
 from ..errors import SpeculantError
 
 
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16}  # --kv-dtype choices
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --kv-dtype choice; a clear error for anything else."""
+    if name not in KV_DTYPES:
+        raise SpeculantError(f"unknown --kv-dtype {name!r}; choose one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
 class KVCache:
     def __init__(
         self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> None:
+        if dtype not in KV_DTYPES.values():
+            raise SpeculantError(f"a KV cache holds float32 or float16, not {dtype}")
         self.max_len = max_len
+        self.half = int(dtype == torch.float16)  # the C kernels' kv16 flag
         # [layers, kv_heads, max_len, head_dim]: one block each so keep() gathers all layers at once.
         self.k = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)

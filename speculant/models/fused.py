@@ -27,10 +27,11 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 def bind_tree_kernels(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` with the argument types of the masked attention and the blocks loop with mask and taps
     (attention.c, blocks.c) set; the plain entry points are those with no mask and no taps."""
-    lib.attn_rows_masked.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _p, _p, ctypes.c_int]
+    lib.attn_rows_masked.argtypes = [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _p, _p, ctypes.c_int,
+                                     ctypes.c_int]
     lib.attn_rows_masked.restype = ctypes.c_int
     lib.gq_blocks_ex.argtypes = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, _p, _p, _p,
-                                 _i64, _i64, _p, _p, ctypes.c_int]
+                                 _i64, _i64, _p, _p, ctypes.c_int, ctypes.c_int]
     lib.gq_blocks_ex.restype = ctypes.c_int
     return lib
 
@@ -92,7 +93,7 @@ class FusedBlocks:
             mask = mask.to(torch.bool).contiguous()
         rc = self._fn(ctypes.byref(self.table), self.n, x.data_ptr(), S, D, H, Hkv, hd, F, self.eps, cos.data_ptr(),
                       sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.max_len, start,
-                      None if mask is None else mask.data_ptr(), ptrs, torch.get_num_threads())
+                      None if mask is None else mask.data_ptr(), ptrs, cache.half, torch.get_num_threads())
         if rc:
             raise MemoryError(f"fused blocks failed ({rc}): out of memory for scratch")
         return x, tapped

@@ -103,7 +103,8 @@ class Block(nn.Module):
             m = None if mask is None else mask.to(torch.bool).contiguous()
             rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
                                       cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len, start,
-                                      None if m is None else m.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                      None if m is None else m.data_ptr(), out.data_ptr(), cache.half,
+                                      torch.get_num_threads())
             if rc:
                 raise MemoryError(f"native attention failed ({rc})")
             return self.o(out)
@@ -112,6 +113,7 @@ class Block(nn.Module):
         k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
         v_new = qkv[:, (H + Hkv) * hd :].view(S, Hkv, hd).transpose(0, 1)
         k, v = cache.write(layer, start, k_new, v_new)  # [Hkv, L+S, hd]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 cache is widened for torch's float32 ops (no copy otherwise)
         if row_wise:
             # Each query row attends with exactly the calls plain decoding makes for that position, so
             # a verification pass over k drafts reproduces one-token decoding bit for bit (batched
@@ -166,6 +168,7 @@ class Transformer(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._fused = None  # FusedBlocks, False where it does not apply, None until the first short pass
+        self.kv_dtype = torch.float32  # of the caches new_cache makes (cache.py: KV_DTYPES)
 
     def _apply(self, fn, recurse=True):  # .to() & co. may move the weights the fused loop points at
         self._fused = None
@@ -194,7 +197,7 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int | None = None) -> KVCache:
         c = self.cfg
         n = min(max_len or c.context_length, c.context_length)
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, n, torch.float32, self.device)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, n, self.kv_dtype, self.device)
 
     def thread_invariant(self) -> bool:
         """Whether every linear gives the same bits with any CPU thread count (formats/base.py)."""
