@@ -142,9 +142,9 @@ def speed_tables(result: SpeedResult) -> list[Table]:
                      fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; our KV caches in {cfg.kv_dtype}; bw = memory bandwidth, the mean of torch.sum over {cfg.bandwidth_gib:g} GiB "
-        f"float32 right before and after each row ({_span(result.bandwidths)} GB/s in this run); % of bw = GB/s "
-        "against it.",
+        f"{result.threads} threads; our KV caches in {cfg.kv_dtype}; bw = memory bandwidth, the mean of torch.sum "
+        f"over {cfg.bandwidth_gib:g} GiB float32 right before and after each row ({_span(result.bandwidths)} GB/s "
+        "in this run); % of bw = GB/s against it.",
         f"prefill: one forward over a {cfg.cache}-token prompt; decode: {cfg.tokens} greedy tokens after it, one "
         "forward each; GB/s = weight bytes per token x decode tok/s.",
         f"k=N: ms of one forward scoring N new tokens on a {cfg.cache}-token cache (median of {cfg.repeats}); "
