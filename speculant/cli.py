@@ -12,6 +12,7 @@ import os
 import sys
 
 from .errors import SpeculantError
+from .models.cache import KV_DTYPES
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -41,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format of the draft (default: as --dtype; without --dtype, q4_0 for a .gguf draft stored "
                         "in more bits, else the file's own: drafting streams the draft's weights every token, and its "
                         "format never changes the output)")
-    p.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32",
+    p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="f32",
                    help="keys and values in the KV caches: f32 (default) or f16 (half the memory and the streaming of "
                         "long contexts; rounds them once, as llama.cpp's default f16 cache does; exact all the same: "
                         "every method reads the same cache as ar)")

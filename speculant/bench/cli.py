@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..errors import SpeculantError
+from ..models.cache import KV_DTYPES
 from ..models.formats import WEIGHT_FORMATS
 from .prompts import DATASETS
 from .speed import DEFAULT_DTYPES, DEFAULT_MODELS, KS, PEERS
@@ -37,7 +38,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
     s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
-    s.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32", help="our KV caches' type (default f32)")
+    s.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="f32", help="our KV caches' type (default f32)")
     s.add_argument("--repeats", type=int, default=5, help="repeats per timing (median reported)")
     s.add_argument("--ks", type=int, nargs="+", default=list(KS), help="cost-curve batch sizes")
     s.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measurement")

@@ -36,11 +36,15 @@ class KVCache:
         if dtype not in KV_DTYPES.values():
             raise SpeculantError(f"a KV cache holds float32 or float16, not {dtype}")
         self.max_len = max_len
-        self.half = int(dtype == torch.float16)  # the C kernels' kv16 flag
         # [layers, kv_heads, max_len, head_dim]: one block each so keep() gathers all layers at once.
         self.k = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+
+    @property
+    def half(self) -> int:
+        """The C kernels' kv16 flag: 1 for a float16 cache."""
+        return int(self.k.dtype == torch.float16)
 
     def reserve(self, s: int) -> tuple[int, int]:
         """Slots [start, end) for s new tokens; raises if the context is full."""
