@@ -42,10 +42,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format of the draft (default: as --dtype; without --dtype, q4_0 for a .gguf draft stored "
                         "in more bits, else the file's own: drafting streams the draft's weights every token, and its "
                         "format never changes the output)")
-    p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="f32",
-                   help="keys and values in the KV caches: f32 (default) or f16 (half the memory and the streaming of "
-                        "long contexts; rounds them once, as llama.cpp's default f16 cache does; exact all the same: "
-                        "every method reads the same cache as ar)")
+    p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=None,
+                   help="keys and values in the KV caches: f16 (default; half the memory and the streaming of f32, "
+                        "rounded once as written, as llama.cpp's default cache is; exact all the same: every method "
+                        "reads the same cache as ar) or f32 (the default with --dtype float32, the reference)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("auto", "fixed", "heuristic"), default=None,
                    help="fixed k; heuristic: grow on full acceptance, shrink otherwise; auto (default): heuristic, "

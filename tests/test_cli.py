@@ -154,18 +154,37 @@ def test_kv_dtype_reaches_both_models_and_generates(capsys, tmp_path, monkeypatc
     import torch
 
     from speculant.cli import build_parser, load_engine
+    from speculant.models import load_model
 
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
     path = str(write_gguf(tmp_path / "tiny.gguf"))
     args = ["generate", "--model", path, "--draft", path, "--dtype", "float32", "-n", "5", "--no-progress"]
     engine = load_engine(build_parser().parse_args([*args, "--kv-dtype", "f16", "ab"]))
     assert engine.target.model.kv_dtype == engine.draft.model.kv_dtype == torch.float16
-    assert load_engine(build_parser().parse_args([*args, "ab"])).target.model.kv_dtype == torch.float32  # default
+    reference = load_engine(build_parser().parse_args([*args, "ab"]))  # float32 weights: a float32 cache
+    assert reference.target.model.kv_dtype == reference.draft.model.kv_dtype == torch.float32
+    plain = [a for a in args if a not in ("--dtype", "float32")]
+    default = load_engine(build_parser().parse_args([*plain, "ab"]))  # the file's own blocks: float16
+    assert (default.target.dtype, default.target.model.kv_dtype, default.draft.model.kv_dtype) == \
+        ("gguf", torch.float16, torch.float16)
+    assert load_model(path, "int8", progress=False).model.kv_dtype == torch.float16
+    assert load_model(path, "int8", progress=False, kv_dtype="f32").model.kv_dtype == torch.float32
     outs = [run(capsys, *args, *kv, "ab") for kv in ((), ("--kv-dtype", "f16"))]
     assert all(rc == 0 for rc, _, _ in outs), outs
     with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q8' (choose from f32, f16)"
         build_parser().parse_args([*args, "--kv-dtype", "q8", "ab"])
     assert "invalid choice: 'q8'" in capsys.readouterr().err
+
+
+def test_a_shape_a_block_format_cannot_hold_is_a_clear_error(tmp_path, monkeypatch):
+    from speculant.errors import SpeculantError
+    from speculant.models import load_model
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    path = str(write_gguf(tmp_path / "tiny.gguf"))  # rows of 8 values
+    with pytest.raises(SpeculantError, match=r"to q8_0: its rows of 8 values are not whole 32-value blocks; choose "
+                                             r"another --dtype"):
+        load_model(path, "q8_0", progress=False, use_cache=False)
 
 
 @pytest.mark.parametrize("argv, needles", [

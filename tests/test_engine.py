@@ -105,6 +105,28 @@ def test_stats_are_consistent(pair):
     assert s.mean_accepted_tokens == pytest.approx(s.emitted_in_rounds / s.rounds)
 
 
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_the_drafts_deferred_prompt_prefill_counts_as_prefill(pair, method, monkeypatch):
+    """The draft model prefills its prompt at the first speculative round (draft_model.py: ready): that is
+    the generation's prefill, and decode seconds (decode tok/s, `bench methods`' decode speedup) leave it out."""
+    import time
+
+    from speculant.methods.draft_model import DraftModelDrafter
+
+    target, draft = pair
+    begin, calls = DraftModelDrafter._begin, []
+
+    def slow_begin(self):
+        calls.append(1)
+        time.sleep(0.5)
+        begin(self)
+
+    monkeypatch.setattr(DraftModelDrafter, "_begin", slow_begin)
+    s = Engine(target, draft, MethodConfig(method)).generate(PROMPT, GenerationConfig(max_new_tokens=12)).stats
+    assert calls == [1] and s.rounds > 0
+    assert s.prefill_seconds >= 0.5 > s.decode_seconds
+
+
 @pytest.mark.parametrize("method", ["ar", "lookup", "draft", "hybrid"])
 def test_stop_token_in_the_middle_of_an_accepted_run(pair, method):
     target, draft = pair

@@ -38,7 +38,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: one per physical core)")
     s.add_argument("--tokens", type=int, default=64, help="greedy decode steps timed")
     s.add_argument("--cache", type=int, default=256, help="prompt tokens: prefill length and cost-curve cache")
-    s.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="f32", help="our KV caches' type (default f32)")
+    s.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=None,
+                   help="our KV caches' type (default f16, f32 beside float32 weights)")
     s.add_argument("--repeats", type=int, default=5, help="repeats per timing (median reported)")
     s.add_argument("--ks", type=int, nargs="+", default=list(KS), help="cost-curve batch sizes")
     s.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measurement")
@@ -167,7 +168,7 @@ def _methods(args: argparse.Namespace) -> int:
     dl = base.method.draft_length
     result.info = {
         "target": args.model, "draft": args.draft if need_draft else None, "dtype": base.target.dtype,
-        "draft_dtype": base.draft.dtype if base.draft is not None else None, "kv_dtype": args.kv_dtype,
+        "draft_dtype": base.draft.dtype if base.draft is not None else None, "kv_dtype": next(n for n, d in KV_DTYPES.items() if d == base.target.model.kv_dtype),
         "threads": torch.get_num_threads(),
         "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
         "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},

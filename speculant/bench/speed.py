@@ -59,10 +59,11 @@ class SpeedConfig:
     ks: tuple[int, ...] = KS
     against: tuple[str, ...] = ()
     bandwidth_gib: float = 1.0
-    kv_dtype: str = "f32"  # of our KV caches (cache.KV_DTYPES)
+    kv_dtype: str | None = None  # of our KV caches (cache.KV_DTYPES; None: cache.default_kv_dtype per format)
 
     def __post_init__(self) -> None:
-        kv_dtype(self.kv_dtype)  # a clear error for anything but f32 / f16
+        if self.kv_dtype is not None:
+            kv_dtype(self.kv_dtype)  # a clear error for anything but f32 / f16
         if not self.models:
             raise SpeculantError("--models needs at least one model")
         bad = [d for d in self.dtypes if d not in WEIGHT_FORMATS]

@@ -142,7 +142,8 @@ def speed_tables(result: SpeedResult) -> list[Table]:
                      fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; our KV caches in {cfg.kv_dtype}; bw = memory bandwidth, the mean of torch.sum "
+        f"{result.threads} threads; our KV caches in {cfg.kv_dtype or 'f16 (f32 beside float32 weights)'}; "
+        "bw = memory bandwidth, the mean of torch.sum "
         f"over {cfg.bandwidth_gib:g} GiB float32 right before and after each row ({_span(result.bandwidths)} GB/s "
         "in this run); % of bw = GB/s against it.",
         f"prefill: one forward over a {cfg.cache}-token prompt; decode: {cfg.tokens} greedy tokens after it, one "

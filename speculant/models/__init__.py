@@ -19,7 +19,7 @@ from ..tokenizer import Tokenizer
 from .build import build_transformer
 from .calibration import CALIBRATION_TEXT
 from .cache import KVCache
-from .cache import kv_dtype as kv_dtype_of
+from .cache import default_kv_dtype, kv_dtype as kv_dtype_of
 from .config import ModelConfig
 from .formats import WEIGHT_FORMATS
 from .transformer import Output, Transformer
@@ -123,14 +123,16 @@ def _stored_dtype(folder: Path) -> str | None:
 
 
 def load_model(spec: str, dtype: str | None = None, *, device: str | torch.device = "cpu", progress: bool = True,
-               use_cache: bool = True, draft: bool = False, kv_dtype: str = "f32") -> LoadedModel:
+               use_cache: bool = True, draft: bool = False, kv_dtype: str | None = None) -> LoadedModel:
     """A model by preset name, .gguf path or Hugging Face folder, in `dtype` (None: the file's own format;
-    for a `draft` model, `draft_dtype`'s choice); its KV caches in `kv_dtype` (f32 or f16, cache.KV_DTYPES)."""
+    for a `draft` model, `draft_dtype`'s choice); its KV caches in `kv_dtype` (f32 or f16, cache.KV_DTYPES; None:
+    cache.default_kv_dtype of the weight format, f16 but for float32 weights)."""
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
     from .load_hf import HFSource
 
-    cache_dtype = kv_dtype_of(kv_dtype)  # before any loading: a typo is an error at once
+    if kv_dtype is not None:
+        kv_dtype_of(kv_dtype)  # before any loading: a typo is an error at once
     if dtype is not None and dtype not in WEIGHT_FORMATS:
         raise SpeculantError(f"unknown --dtype {dtype!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     dev = resolve_device(device)
@@ -158,7 +160,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
                               calibration_ids=calib)
     model = model.to(dev)
-    model.kv_dtype = cache_dtype
+    model.kv_dtype = kv_dtype_of(kv_dtype or default_kv_dtype(dtype))
     if dev.type == "cpu":
         # The fused block loop, built now: its layers repack here (load time), not in the first request. The
         # output layer repacks on its first use, and never for a draft model, which runs its first rows only.
