@@ -57,7 +57,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft only among the first N token ids (smaller draft output layer; default 65536, 0 = all)")
     p.add_argument("--draft-context", type=int, default=None,
-                   help="the draft model reads only the last N prompt tokens (0 = all; default: 256 for hybrid, whose "
+                   help="the draft model reads only the last N prompt tokens (0 = all; default: 128 for hybrid, whose "
                         "lookup sees them all, all for draft): cheaper draft prefill of long prompts")
     p.add_argument("--hybrid-check", choices=("auto", "always", "never"), default=None,
                    help="hybrid: does the draft model check prompt lookup's guesses? auto (default: whichever yields "

@@ -38,6 +38,11 @@ def kv_dtype(name: str) -> torch.dtype:
     return KV_DTYPES[name]
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The --kv-dtype choice naming a cache's torch dtype (kv_dtype's inverse)."""
+    return next(name for name, d in KV_DTYPES.items() if d == dtype)
+
+
 class KVCache:
     def __init__(
         self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device
