@@ -7,7 +7,8 @@ from speculant.engine import Engine, GenerationConfig
 from speculant.governor import GovernorConfig
 from speculant.method import MethodConfig
 from speculant.methods.base import DraftLengthConfig
-from speculant.methods.draft_model import DraftModelConfig
+from speculant.methods.draft_model import CONTEXT_STEP, DraftModelConfig
+from speculant.methods.hybrid import HYBRID_DRAFT_CONTEXT
 from speculant.prefix import PASS_MAX, KeptPrefix, common_prefix, pass_starts
 from speculant.sampling import SamplingConfig
 
@@ -33,6 +34,15 @@ def engines(target, draft):
         "draft-window": Engine(target, draft, MethodConfig("draft", dl, draft_model=DraftModelConfig(context=40),
                                                            governor=off)),
     }
+
+
+# the prompt tokens each method's draft model reads (0: all; hybrid's default window is its last 128 to 191)
+DRAFT_CONTEXT = {"draft": 0, "hybrid": HYBRID_DRAFT_CONTEXT, "draft-window": 40}
+
+
+def window_start(n: int, context: int) -> int:
+    """Where the draft's window of an n-token prompt starts (DraftModelDrafter.start)."""
+    return (n - context) // CONTEXT_STEP * CONTEXT_STEP if 0 < context < n else 0
 
 
 def conversation():
@@ -69,8 +79,8 @@ def test_output_with_the_prompt_cache_equals_output_without(pair, method, temper
         assert without.stats.cached_prompt_tokens == 0
         # Reused up to the start of the previous turn's last message (its answer is prefilled again).
         assert with_cache.stats.cached_prompt_tokens == expected
-        if cache.draft is not None and method != "draft-window":
-            assert cache.draft.tokens == prompt[:-1]  # the draft's prefill of this turn is kept too
+        if cache.draft is not None:  # the draft's prefill of this turn is kept too: its window of the prompt
+            assert cache.draft.tokens == prompt[window_start(len(prompt), DRAFT_CONTEXT[method]):-1], (method, turn)
         expected = len(prompt) if with_cache.token_ids[0] == SEP else max(i for i, t in enumerate(prompt) if t == SEP)
         prompt = prompt + with_cache.token_ids
 
