@@ -7,7 +7,7 @@ from speculant.engine import Engine, GenerationConfig
 from speculant.governor import GovernorConfig
 from speculant.method import MethodConfig
 from speculant.methods.base import DraftLengthConfig
-from speculant.methods.draft_model import CONTEXT_STEP, DraftModelConfig
+from speculant.methods.draft_model import DraftModelConfig, window_start
 from speculant.methods.hybrid import HYBRID_DRAFT_CONTEXT
 from speculant.prefix import PASS_MAX, KeptPrefix, common_prefix, pass_starts
 from speculant.sampling import SamplingConfig
@@ -38,11 +38,6 @@ def engines(target, draft):
 
 # the prompt tokens each method's draft model reads (0: all; hybrid's default window is its last 128 to 191)
 DRAFT_CONTEXT = {"draft": 0, "hybrid": HYBRID_DRAFT_CONTEXT, "draft-window": 40}
-
-
-def window_start(n: int, context: int) -> int:
-    """Where the draft's window of an n-token prompt starts (DraftModelDrafter.start)."""
-    return (n - context) // CONTEXT_STEP * CONTEXT_STEP if 0 < context < n else 0
 
 
 def conversation():

@@ -168,7 +168,8 @@ def _methods(args: argparse.Namespace) -> int:
     dl = base.method.draft_length
     result.info = {
         "target": args.model, "draft": args.draft if need_draft else None, "dtype": base.target.dtype,
-        "draft_dtype": base.draft.dtype if base.draft is not None else None, "kv_dtype": kv_dtype_name(base.target.model.kv_dtype),
+        "draft_dtype": base.draft.dtype if base.draft is not None else None,
+        "kv_dtype": kv_dtype_name(base.target.model.kv_dtype),
         "threads": torch.get_num_threads(),
         "dataset": args.dataset, "prompts": len(prompts), "torch": torch.__version__,
         "draft_length": {"k": dl.k, "schedule": dl.schedule, "max_k": dl.max_k},

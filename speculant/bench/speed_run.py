@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import SpeculantError
+from ..models.cache import default_kv_dtype
 from .peers import LLAMA_CPP_CRASH_HINT, LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
 from .report import Table, fmt, load_note, machine_info
 from .speed import (FIDELITY_CTX, Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, fidelity_logits,
@@ -142,7 +143,8 @@ def speed_tables(result: SpeedResult) -> list[Table]:
                      fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; our KV caches in {cfg.kv_dtype or 'f16 (f32 beside float32 weights)'}; "
+        f"{result.threads} threads; our KV caches in "
+        f"{cfg.kv_dtype or ', '.join(f'{default_kv_dtype(d)} ({d})' for d in cfg.dtypes)}; "
         "bw = memory bandwidth, the mean of torch.sum "
         f"over {cfg.bandwidth_gib:g} GiB float32 right before and after each row ({_span(result.bandwidths)} GB/s "
         "in this run); % of bw = GB/s against it.",

@@ -62,6 +62,14 @@ class DraftModelConfig:
         return DraftModelConfig(self.min_confidence, self.vocab, default_context)
 
 
+def window_start(n: int, context: int) -> int:
+    """Where the draft's window of an n-token prompt starts (DraftModelConfig.context; 0 = all of it): the
+    last `context` to `context + CONTEXT_STEP - 1` tokens. The window starts at a multiple of CONTEXT_STEP,
+    so a conversation that goes on keeps its start (and its prompt cache) for a while, and the window is a
+    function of the prompt alone (seeded runs repeat)."""
+    return (n - context) // CONTEXT_STEP * CONTEXT_STEP if 0 < context < n else 0
+
+
 def reduced_head(model: Transformer, cfg: DraftModelConfig) -> QLinear | None:
     """The draft's output projection over its reduced vocabulary, or None for the full one."""
     if 0 < cfg.vocab < model.cfg.vocab_size:
@@ -98,12 +106,7 @@ class DraftModelDrafter:
         """Take the prompt; its prefill waits for the first draft. Where the governor runs plain rounds
         only (speculation measured slower in the engine's earlier generations), it is never paid: on
         Spec-Bench's long prompts it was up to a tenth of a plain generation's time (stop 25's note)."""
-        if self.cfg.context and len(prompt) > self.cfg.context:
-            # The last `context` to `context + CONTEXT_STEP - 1` tokens: the window starts at a multiple
-            # of CONTEXT_STEP, so a conversation that goes on keeps its start (and its prompt cache)
-            # for a while, and the window is a function of the prompt alone (seeded runs repeat).
-            prompt = prompt[(len(prompt) - self.cfg.context) // CONTEXT_STEP * CONTEXT_STEP :]
-        self.waiting, self.after = list(prompt), []
+        self.waiting, self.after = list(prompt[window_start(len(prompt), self.cfg.context or 0) :]), []
 
     def ready(self) -> None:
         """Run the deferred prefill now (the engine calls this before it times a speculative round: the

@@ -344,8 +344,9 @@ class GGMLLinear(QLinear):
             qtype = K_FALLBACK[qtype]
         block = GGML_QUANT_SIZES[qtype][0]
         if weight.shape[1] % block:  # the gguf quantizers' own error names neither the format nor the fix
-            raise SpeculantError(f"cannot quantize a {tuple(weight.shape)} weight to {fmt}: its rows of {weight.shape[1]} "
-                                 f"values are not whole {block}-value blocks; choose another --dtype (float32 runs any shape)")
+            raise SpeculantError(f"cannot quantize a {tuple(weight.shape)} weight to {fmt}: its rows of "
+                                 f"{weight.shape[1]} values are not whole {block}-value blocks; choose another --dtype "
+                                 "(float32 runs any shape)")
         lib = native.gq_library()  # fail before the (slow) quantization where the kernels cannot run
         w = weight.detach().float().contiguous().numpy()
         if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
