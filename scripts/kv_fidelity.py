@@ -3,8 +3,8 @@ weights with a float32 cache, in llama-perplexity's protocol (tests/test_gguf_fi
 
     .venv/bin/python scripts/kv_fidelity.py [--model qwen2.5-coder-1.5b-instruct] [--chunks 4]
 
-Prints three rows: float32 weights with a float16 cache (the cache's rounding alone), then the model's
-default format (`gguf` for a .gguf file) with a float32 and with a float16 cache. Chunks of 512 tokens of
+Prints five rows: float32 weights with a float16 and with a q8_0 cache (each cache's rounding alone), then the
+model's default format (`gguf` for a .gguf file) with a float32, a float16 and a q8_0 cache. Chunks of 512 tokens of
 held-out text, the second half of each scored (255 positions a chunk); the reference scores each chunk in
 one pass, the others in 16-token passes (the decode and verification route).
 """
@@ -18,6 +18,7 @@ import torch
 
 from speculant.bench.speed import compare_logits, fidelity_logits, fidelity_text
 from speculant.models import load_model
+from speculant.models.cache import KV_DTYPES, kv_dtype
 from speculant.runtime import configure_threads
 
 
@@ -36,13 +37,14 @@ def main() -> None:
         print(f"{label}: {got.positions} positions, mean KL {got.mean_kl:.6f}, top-1 {100 * got.top1_agreement:.2f}%",
               flush=True)
 
-    ref.model.kv_dtype = torch.float16
-    report("float32 weights, f16 cache", fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512))
+    for name in ("f16", "q8_0"):
+        ref.model.kv_dtype = kv_dtype(name)
+        report(f"float32 weights, {name} cache", fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512))
     del ref
     gc.collect()
     ours = load_model(a.model, None, progress=False)
-    for name, kv in (("f32", torch.float32), ("f16", torch.float16)):
-        ours.model.kv_dtype = kv
+    for name in KV_DTYPES:
+        ours.model.kv_dtype = kv_dtype(name)
         report(f"{ours.dtype} weights, {name} cache", fidelity_logits(ours.model, ids, chunks=a.chunks))
 
 

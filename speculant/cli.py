@@ -45,7 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default=None,
                    help="keys and values in the KV caches: f16 (default; half the memory and the streaming of f32, "
                         "rounded once as written, as llama.cpp's default cache is; exact all the same: every method "
-                        "reads the same cache as ar) or f32 (the default with --dtype float32, the reference)")
+                        "reads the same cache as ar), q8_0 (a quarter of f32: llama.cpp's q8_0 blocks, for long contexts) "
+                        "or f32 (the default with --dtype float32, the reference)")
     p.add_argument("--draft-tokens", "-k", type=int, default=None, help="tokens drafted per round (start value)")
     p.add_argument("--draft-schedule", choices=("auto", "fixed", "heuristic"), default=None,
                    help="fixed k; heuristic: grow on full acceptance, shrink otherwise; auto (default): heuristic, "

@@ -30,7 +30,7 @@ def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2,
                hidden: int = 64, context: int = 256, arch: str = "qwen2", fmt: str = "float32",
                logit_scale: float = 1.0, eos: int | None = None, kv_dtype: str = "f32") -> LoadedModel:
     """A random-weight Transformer wrapped like a loaded model. `logit_scale` sharpens its distributions;
-    `kv_dtype` (f32, f16) is that of the KV caches it makes."""
+    `kv_dtype` (f32, f16, q8_0) is that of the KV caches it makes."""
     g = torch.Generator().manual_seed(seed)
     cfg = ModelConfig(arch=arch, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads, hidden_dim=hidden,
                       vocab_size=vocab, context_length=context, qkv_bias=arch == "qwen2", rope_base=10000.0)

@@ -24,7 +24,7 @@ def exact_marginals(target, prompt: list[int], sampling: SamplingConfig, n_token
     for j in range(n_tokens):
         nxt = []
         for ctx, w in frontier:
-            c = m.new_cache(64)
+            c = m.new_cache(len(prompt) + n_tokens)
             p = reference_probs(m(torch.tensor(prompt + list(ctx)), c, logit_rows=slice(-1, None)).logits[0], sampling,
                                 prompt + list(ctx))
             marginals[j] += w * p

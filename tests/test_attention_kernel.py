@@ -2,7 +2,8 @@
 reference, and bit for bit the same whatever the rows that share the pass, the thread count, the
 instruction set it was built for, or how its query heads are tiled (group sizes 1..8 cover every
 remainder of its 3-head tiles; head sizes 8..128 every remainder of its 32-wide value chunks), with a
-float32 and a float16 cache (--kv-dtype f16: stored rounded to nearest even, read back exactly)."""
+float32, a float16 (--kv-dtype f16: stored rounded to nearest even, read back exactly) and a q8_0 cache
+(--kv-dtype q8_0: stored as models/cache.py's q8_0_rows, bit for bit, read back exactly as d * q)."""
 
 import ctypes
 
@@ -10,39 +11,55 @@ import pytest
 import torch
 
 from speculant.models import native
+from speculant.models.cache import q8_0_rows, q8_0_values
 from speculant.models.fused import bind_tree_kernels
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the x86 kernels need AVX2 and gcc")
 
 SHAPES = [(12, 2, 128), (14, 2, 64), (9, 3, 64), (8, 8, 64), (8, 1, 80), (16, 2, 96), (4, 2, 8), (5, 1, 24),
           (7, 7, 32)]  # (query heads, key/value heads, head size): G = 6, 7, 3, 1, 8, 8, 2, 5, 1
+KV = [torch.float32, torch.float16, torch.int8]  # cache.KV_DTYPES: f32, f16, q8_0 (its blocks' bytes as int8)
+
+
+def with_kv(shapes):
+    """(H, Hkv, hd, cache dtype) for each shape and cache type that holds it (q8_0: whole 32-value blocks)."""
+    return [(*sh, kv) for sh in shapes for kv in KV if kv != torch.int8 or sh[2] % 32 == 0]
+
+
+def to_cache(x: torch.Tensor, kv: torch.dtype) -> torch.Tensor:
+    return q8_0_rows(x) if kv == torch.int8 else x.to(kv)
+
+
+def values(c: torch.Tensor) -> torch.Tensor:
+    """A cache's values as float32 (exactly)."""
+    return q8_0_values(c) if c.dtype == torch.int8 else c.float()
 
 
 def attend(lib: ctypes.CDLL, qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, threads: int = 2):
     """(out [S, H hd], k cache, v cache) after attn_rows_masked on copies of the inputs (caches of their dtype)."""
     qkv, kc, vc = qkv.clone(), kc.clone(), vc.clone()
-    S, hd = qkv.shape[0], kc.shape[-1]
+    S, hd = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     out = torch.empty(S, H * hd)
     m = None if mask is None else mask.to(torch.uint8).contiguous()
     rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
                               vc.data_ptr(), kc.shape[1], start, None if m is None else m.data_ptr(), out.data_ptr(),
-                              int(kc.dtype == torch.float16), threads)
+                              KV.index(kc.dtype), threads)
     assert rc == 0
     return out, kc, vc
 
 
 def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, stored=None) -> torch.Tensor:
     """float64 rotate-half rope, then each row's softmax attention over its visible slots; `stored`: the
-    (k, v) caches the kernel wrote, whose new rows (rounded to float16) are the keys and values then."""
-    S, hd = qkv.shape[0], kc.shape[-1]
+    (k, v) caches the kernel wrote, whose new rows (rounded to float16, or q8_0) are the keys and values then."""
+    S, hd = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     x = qkv.double().view(S, H + 2 * Hkv, hd)
     c, s = cos.double()[:, None], sin.double()[:, None]
     a, b = x[:, : H + Hkv, : hd // 2], x[:, : H + Hkv, hd // 2:]
     qk = torch.cat([a * c - b * s, b * c + a * s], -1)
-    k = torch.cat([kc.double()[:, :start], qk[:, H:].transpose(0, 1)], 1)  # [Hkv, start + S, hd]
-    v = torch.cat([vc.double()[:, :start], x[:, H + Hkv:].transpose(0, 1)], 1)
+    k = torch.cat([values(kc).double()[:, :start], qk[:, H:].transpose(0, 1)], 1)  # [Hkv, start + S, hd]
+    v = torch.cat([values(vc).double()[:, :start], x[:, H + Hkv:].transpose(0, 1)], 1)
     if stored is not None:
-        k, v = stored[0].double()[:, : start + S], stored[1].double()[:, : start + S]
+        k, v = values(stored[0]).double()[:, : start + S], values(stored[1]).double()[:, : start + S]
     out = torch.empty(S, H, hd, dtype=torch.float64)
     for r in range(S):
         seen = torch.arange(start + r + 1) if mask is None else \
@@ -66,13 +83,12 @@ def libraries() -> list[tuple[str, ctypes.CDLL]]:
     return [(isa, bind_tree_kernels(native.library(isa))) for isa in native.supported_isas()]
 
 
-@pytest.mark.parametrize("H,Hkv,hd", SHAPES)
+@pytest.mark.parametrize("H,Hkv,hd,kv", with_kv(SHAPES))
 @pytest.mark.parametrize("start", [0, 13, 72])
-@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, start, kv):
     S = 6
     qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=H * 1000 + hd + start)
-    kc, vc = kc.to(kv), vc.to(kv)
+    kc, vc = to_cache(kc, kv), to_cache(vc, kv)
     tril = torch.rand(S, S, generator=torch.Generator().manual_seed(start)) < 0.5
     tree = (tril.tril() | torch.eye(S, dtype=torch.bool))
     for mask in (None, tree):
@@ -81,7 +97,7 @@ def test_attention_matches_float64_and_every_build_and_thread_count(H, Hkv, hd, 
             for threads in (1, 2, 3):
                 out, k, v = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv, mask, threads)
                 results.append(((name, threads), out, k, v))
-        stored = results[0][2:] if kv == torch.float16 else None
+        stored = results[0][2:] if kv != torch.float32 else None
         ref = reference(qkv, kc, vc, cos, sin, start, H, Hkv, mask, stored)
         err = (results[0][1].double() - ref).abs().max() / ref.abs().max()
         assert err < 1e-5, float(err)
@@ -109,8 +125,7 @@ def test_a_float16_cache_stores_the_float32_rows_rounded_to_nearest_even():
         assert ((stored != 0) & (stored.abs() < 2**-14)).sum() > hd // 2
 
 
-@pytest.mark.parametrize("H,Hkv,hd", SHAPES[:6])
-@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv,hd,kv", with_kv(SHAPES[:6]))
 def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd, kv):
     """Row r of a causal pass of S rows equals that token's pass alone after rows 0..r-1 (speculative
     verification reproduces one-token decoding), with contexts across the 8-key groups and 32-key blocks."""
@@ -118,7 +133,7 @@ def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd, kv):
     for start in (5, 31, 64):
         S = 9
         qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=start + hd)
-        kc, vc = kc.to(kv), vc.to(kv)
+        kc, vc = to_cache(kc, kv), to_cache(vc, kv)
         out, k_all, v_all = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
         kc1, vc1 = kc.clone(), vc.clone()
         for r in range(S):
@@ -126,3 +141,29 @@ def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd, kv):
                                    sin[r:r + 1].contiguous(), start + r, H, Hkv)
             assert torch.equal(one[0], out[r]), (start, r)
         assert torch.equal(kc1, k_all) and torch.equal(vc1, v_all)
+
+
+def test_a_q8_0_cache_stores_the_float32_rows_as_torchs_quantizer_does():
+    """The rows a pass writes to a q8_0 cache are q8_0_rows of those it writes to a float32 one, bit for bit (so the
+    C path and torch's cache.write store the same bytes): scales across magnitudes, an all-zero block, halves that
+    round to even, fp16-subnormal scales; other slots untouched."""
+    H, Hkv, hd, start, S = 12, 2, 128, 40, 5
+    qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=9)
+    qkv = qkv * torch.logspace(-4, 3, S)[:, None]
+    v0 = (H + Hkv) * hd  # row 0's first value vector: block 0 all zero; block 1 amax 127, so d = 1 and halves
+    qkv[0, v0:v0 + 32] = 0  # are ties; block 2 under fp16's normal range (d < 2^-14)
+    qkv[0, v0 + 32:v0 + 64] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])
+    qkv[0, v0 + 64:v0 + 96] = torch.linspace(-1e-4, 1e-4, 32)
+    for _, lib in libraries():
+        _, k32, v32 = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
+        _, k8, v8 = attend(lib, qkv, q8_0_rows(kc), q8_0_rows(vc), cos, sin, start, H, Hkv)
+        new = slice(start, start + S)
+        assert torch.equal(k8[:, new], q8_0_rows(k32[:, new])) and torch.equal(v8[:, new], q8_0_rows(v32[:, new]))
+        assert torch.equal(k8[:, :start], q8_0_rows(kc[:, :start])) and \
+            torch.equal(v8[:, start + S:], q8_0_rows(vc[:, start + S:]))
+        got = q8_0_values(v8[:, start])[0]
+        assert torch.equal(got[:32], torch.zeros(32))
+        assert got[34:64].tolist() == [float(round(k + 0.5)) for k in range(-15, 15)]  # Python rounds to even too
+        assert 0 < got[64:96].abs().max() < 2e-4
+    err = (q8_0_values(v8[:, new]) - v32[:, new]).abs().max() / v32[:, new].abs().max()
+    assert 0 < err < 1 / 250  # a q8_0 value is within half a step (amax / 254) of its block's largest

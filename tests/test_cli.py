@@ -171,7 +171,17 @@ def test_kv_dtype_reaches_both_models_and_generates(capsys, tmp_path, monkeypatc
     assert load_model(path, "int8", progress=False, kv_dtype="f32").model.kv_dtype == torch.float32
     outs = [run(capsys, *args, *kv, "ab") for kv in ((), ("--kv-dtype", "f16"))]
     assert all(rc == 0 for rc, _, _ in outs), outs
-    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q8' (choose from f32, f16)"
+    # q8_0: heads of whole 32-value blocks (this file's are 4 values: one clear line), then a file whose are 32
+    rc, _, err = run(capsys, *args, "--kv-dtype", "q8_0", "ab")
+    assert rc != 0 and "q8_0 needs heads of whole 32-value blocks; this model's heads have 4 values" in err, err
+    assert "Traceback" not in err
+    wide = str(write_gguf(tmp_path / "wide.gguf", dim=64, hidden=32))
+    q8 = [a if a != path else wide for a in args]
+    engine = load_engine(build_parser().parse_args([*q8, "--kv-dtype", "q8_0", "ab"]))
+    assert engine.target.model.kv_dtype == engine.draft.model.kv_dtype == torch.int8  # q8_0's blocks as bytes
+    rc, out, err = run(capsys, *[a for a in q8 if a not in ("--dtype", "float32")], "--kv-dtype", "q8_0", "ab")
+    assert rc == 0 and out.strip(), err
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'q8' (choose from f32, f16, q8_0)"
         build_parser().parse_args([*args, "--kv-dtype", "q8", "ab"])
     assert "invalid choice: 'q8'" in capsys.readouterr().err
 

@@ -11,7 +11,8 @@ from speculant.method import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.governor import GovernorConfig
 from speculant.methods.base import DraftLength, DraftLengthConfig
-from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
+from speculant.models.cache import kv_dtype as kv_dtype_of
+from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head, window_start
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
 from speculant.sampling import Sampler, SamplingConfig
@@ -61,14 +62,16 @@ def test_greedy_output_identical_for_every_method(pair, k, schedule):
     assert outs["self"].stats.target_forwards < 40
 
 
-def test_greedy_output_identical_for_every_method_with_float16_caches():
-    """--kv-dtype f16 (target and draft): every method's output is still ar's, token for token."""
-    target = tiny_model(32, seed=1, logit_scale=3.0, kv_dtype="f16")
-    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1, kv_dtype="f16")
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_greedy_output_identical_for_every_method_with_smaller_caches(kv):
+    """--kv-dtype f16 or q8_0 (target and draft): every method's output is still ar's, token for token. Heads of
+    32 values (q8_0's block), 2 of them in the target."""
+    target = tiny_model(32, seed=1, logit_scale=3.0, dim=64, heads=2, kv_heads=1, kv_dtype=kv)
+    draft = tiny_model(32, seed=2, logit_scale=3.0, dim=32, heads=1, kv_heads=1, layers=1, kv_dtype=kv)
     gen = GenerationConfig(max_new_tokens=40)
     outs = {name: e.generate(PROMPT, gen) for name, e in engines(target, draft, k=3, max_k=8, warmup=1).items()}
     ref = outs["ar"].token_ids
-    assert len(ref) == 40 and target.model.new_cache(4).k.dtype == torch.float16
+    assert len(ref) == 40 and target.model.new_cache(4).k.dtype == kv_dtype_of(kv)
     for name, done in outs.items():
         assert done.token_ids == ref, name
     assert outs["self"].stats.acceptance_rate == 1.0
@@ -184,6 +187,10 @@ METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
     ("hybrid-never", SamplingConfig(0.8, top_k=3)),  # unchecked guesses, then the model's own drafts
     ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
     ("hybrid-f16", SamplingConfig(1.0, top_p=0.9)),  # float16 KV caches (--kv-dtype f16), target and draft
+    ("hybrid-q8", SamplingConfig(1.0, top_p=0.9)),  # q8_0 KV caches, target and draft (heads of 32 values)
+    # the draft reads only its window of the prompt (the last 6 of 70 tokens): q is still what it proposes from
+    ("draft-window", SamplingConfig(0.9, top_p=0.95)),
+    ("hybrid-window", SamplingConfig(1.0)),
     # the governor turns rounds plain and back (2 rounds each way, then up to 4 by measured speed)
     ("draft-governed", SamplingConfig(1.0, top_p=0.9)),
     # the auto draft length: governed (so timed), the k of every round after the first chosen from measurements
@@ -207,10 +214,13 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     name, _, variant = method.partition("-")
     # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
     V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed", "auto") else 4, 3000
-    kv = "f16" if variant == "f16" else "f32"
-    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv)
-    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1, kv_dtype=kv)
-    prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats, so lookup drafts every round
+    kv = {"f16": "f16", "q8": "q8_0"}.get(variant, "f32")
+    heads = dict(heads=1, kv_heads=1) if kv == "q8_0" else {}  # q8_0 blocks of 32 values: heads of 32
+    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv, **heads)
+    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=32 if heads else 16, layers=1, kv_dtype=kv, **heads)
+    prompt = [0, 1, 2, 3] * (17 if variant == "window" else 2) + [0, 1]  # repeats, so lookup drafts every round
+    window = 4 if variant == "window" else None  # DraftModelConfig.context
+    assert variant != "window" or window_start(len(prompt), window) == 64  # the draft skips the first 64
     exp = exact_marginals(target, prompt, sampling, n_tok)
     # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
     # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
@@ -218,7 +228,7 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     lookup = LookupConfig(3, min_ngram=3 if name == "hybrid" else 1)
     length = DraftLengthConfig(k=1, schedule=variant, max_k=3, warmup=1) if variant in ("heuristic", "auto") else \
         DraftLengthConfig(k=3, schedule="fixed")
-    dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0)
+    dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0, context=window)
     check = variant if variant in ("always", "never") else "auto"
     governed = variant in ("governed", "auto")
     governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()

@@ -5,6 +5,7 @@ import torch
 
 from conftest import tiny_model
 from speculant.errors import SpeculantError
+from speculant.models.cache import q8_0_values
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
@@ -25,8 +26,9 @@ def test_k_tokens_in_one_pass_equal_one_by_one(fmt, arch):
     assert c1.length == c2.length == 9
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16"])
-@pytest.mark.parametrize("arch,heads,kv_heads,dim", [("llama", 4, 2, 32), ("qwen2", 6, 2, 96), ("qwen2", 2, 2, 256)])
+@pytest.mark.parametrize("arch,heads,kv_heads,dim,kv", [
+    (*shape, kv) for shape in [("llama", 4, 2, 32), ("qwen2", 6, 2, 96), ("qwen2", 2, 2, 256)]
+    for kv in ("f32", "f16", "q8_0") if kv != "q8_0" or shape[3] // shape[1] % 32 == 0])  # q8_0: heads of 32s
 def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_heads, dim, kv, monkeypatch):
     from speculant.models import transformer
 
@@ -54,9 +56,14 @@ def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_head
         torch.testing.assert_close(nk, tk, atol=2e-5, rtol=2e-5)  # rotated keys written to the same slots
         return
     # float16: where C's and torch's float32 rotations differ in their last bit, a key can round to the next
-    # float16 (2^-11 apart); the prompt's keys are that close, and 8-bit activations (q8_0) turn such
-    # differences into ~1% of the logits' range, as in the long-prompt test below
-    torch.testing.assert_close(nk[:, :, :40].float(), tk[:, :, :40].float(), atol=1e-3, rtol=2**-10)
+    # float16 (2^-11 apart), or (q8_0) to the next step of its block (1/127 of its largest); the prompt's keys
+    # are that close, and 8-bit activations (q8_0 weights) turn such differences into ~1% of the logits' range,
+    # as in the long-prompt test below
+    if kv == "q8_0":
+        nk, tk = q8_0_values(nk), q8_0_values(tk)
+        torch.testing.assert_close(nk[:, :, :40], tk[:, :, :40], atol=float(tk.abs().max()) / 127, rtol=0)
+    else:
+        torch.testing.assert_close(nk[:, :, :40].float(), tk[:, :, :40].float(), atol=1e-3, rtol=2**-10)
     torch.testing.assert_close(nb, tb, atol=0.02 * float(tb.abs().max()), rtol=0)
 
 
@@ -174,29 +181,35 @@ def test_int8_tracks_float32():
 
 
 @pytest.mark.parametrize("fmt", ["float32", "q8_0"])
-def test_a_float16_cache_halves_the_memory_and_tracks_float32(fmt):
-    """--kv-dtype f16: 2 bytes a value, and the logits of a prompt and of decoding after it close to a float32
-    cache's (each key and value rounded once: relative error <= 2^-11), yet not the same (it is in use). With
-    8-bit activations (q8_0) a random tiny model turns that into a few % of the logits' range (the real
-    models' fidelity with it: README, "KV cache")."""
+@pytest.mark.parametrize("kv, row_bytes, tol", [("f16", 64, (5e-3, 0.05)), ("q8_0", 34, (0.04, 0.1))])  # measured:
+# f16 0.0016 / 0.036 of the logits' range, q8_0 0.022 / 0.061 (float32 / q8_0 weights)
+def test_a_smaller_cache_saves_memory_and_tracks_float32(fmt, kv, row_bytes, tol):
+    """--kv-dtype f16: 2 bytes a value; q8_0: 34 bytes a block of 32. The logits of a prompt and of decoding after
+    it stay close to a float32 cache's (each key and value rounded once: relative error <= 2^-11 for f16, half a
+    step of 1/127 of its block's largest for q8_0), yet not the same (it is in use). With 8-bit activations (q8_0
+    weights) a random tiny model turns that into a few % of the logits' range (the real models' fidelity: README,
+    "KV cache"). Heads of 32 values (q8_0's block)."""
     runs = {}
-    for kv in ("f32", "f16"):
-        m = tiny_model(64, fmt=fmt, layers=3, kv_dtype=kv).model
+    for name in ("f32", kv):
+        m = tiny_model(64, fmt=fmt, layers=3, dim=64, heads=2, kv_heads=1, kv_dtype=name).model
         c = m.new_cache(64)
-        assert c.k.element_size() == c.v.element_size() == (2 if kv == "f16" else 4)
+        if name == kv:
+            assert c.k[0, 0, 0].numel() * c.k.element_size() == c.v[0, 0, 0].numel() * c.v.element_size() == row_bytes
         prompt = m(torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(1)), c).logits
         steps = torch.cat([m(torch.tensor([t]), c).logits for t in (5, 9, 60, 2)])
-        runs[kv] = torch.cat([prompt, steps])
+        runs[name] = torch.cat([prompt, steps])
     scale = float(runs["f32"].abs().max())
-    assert not torch.equal(runs["f16"], runs["f32"])
-    torch.testing.assert_close(runs["f16"], runs["f32"], atol=(5e-3 if fmt == "float32" else 0.05) * scale, rtol=0)
+    assert not torch.equal(runs[kv], runs["f32"])
+    torch.testing.assert_close(runs[kv], runs["f32"], atol=tol[fmt != "float32"] * scale, rtol=0)
 
 
 def test_a_bad_kv_dtype_is_a_clear_error():
     from speculant.models import load_model
     from speculant.models.cache import KVCache
 
-    with pytest.raises(SpeculantError, match="unknown --kv-dtype 'q8'; choose one of f32, f16"):
+    with pytest.raises(SpeculantError, match="unknown --kv-dtype 'q8'; choose one of f32, f16, q8_0"):
         load_model("no-such-model", kv_dtype="q8")  # refused before anything loads
-    with pytest.raises(SpeculantError, match="float32 or float16"):
+    with pytest.raises(SpeculantError, match="holds f32, f16, q8_0, not torch.bfloat16"):
         KVCache(1, 1, 8, 4, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(SpeculantError, match="q8_0 needs heads of whole 32-value blocks; this model's heads have 8"):
+        tiny_model(8, kv_dtype="q8_0").model.new_cache(4)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import speculant.models.transformer as tr
-from speculant.models.cache import KVCache
+from speculant.models.cache import KVCache, kv_dtype as kv_dtype_of
 from speculant.models.transformer import FINAL_HIDDEN
 from speculant.tree import DraftTree
 
@@ -19,7 +19,7 @@ from conftest import tiny_model
 
 
 def clone(c: KVCache) -> KVCache:
-    n = KVCache(c.k.shape[0], c.k.shape[1], c.k.shape[3], c.max_len, c.k.dtype, c.k.device)
+    n = KVCache(c.k.shape[0], c.k.shape[1], c.head_dim, c.max_len, c.k.dtype, c.k.device)
     n.k.copy_(c.k), n.v.copy_(c.v)
     n.length = c.length
     return n
@@ -71,12 +71,17 @@ def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_H
     assert torch.equal(tc.v[:, :, : tc.length], chain.v[:, :, : tc.length])
 
 
+def heads(kv: str, dim: int = 64) -> dict:
+    """The tiny models' shape: heads of 16 values, or of 32 (twice the width) for q8_0's 32-value blocks."""
+    return dict(dim=2 * dim if kv == "q8_0" else dim)
+
+
 @pytest.mark.parametrize("fmt, kv", [("float32", "f32"), ("q8_0", "f32"), ("q4_1", "f32"), ("float32", "f16"),
-                                     ("q8_0", "f16")])
+                                     ("q8_0", "f16"), ("float32", "q8_0"), ("q8_0", "q8_0")])
 @pytest.mark.parametrize("prompt_len", [5, 16, 21])
 def test_tree_rows_equal_their_chains(fmt, kv, prompt_len):
-    model = tiny_model(40, seed=3, dim=64, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt, kv_dtype=kv).model
-    assert model.new_cache(8).k.dtype == (torch.float16 if kv == "f16" else torch.float32)
+    model = tiny_model(40, seed=3, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt, kv_dtype=kv, **heads(kv)).model
+    assert model.new_cache(8).k.dtype == kv_dtype_of(kv)
     if fmt != "float32" and tr.native_kernels() is not None:
         assert model.fused_blocks() is not None  # the fused C path is the one under test
     exact = fmt != "float32"
@@ -84,13 +89,14 @@ def test_tree_rows_equal_their_chains(fmt, kv, prompt_len):
     check_tree(model, prompt_len, 31, seed=prompt_len + 1, invariant=exact)  # the largest short pass
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
 def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch, kv):
-    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0", kv_dtype=kv).model
+    model = tiny_model(40, seed=4, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0", kv_dtype=kv,
+                       **heads(kv)).model
     model._fused = False  # the per-layer path: attn_rows_masked in C, linears per layer
     check_tree(model, 11, 12, seed=0, taps=(1, FINAL_HIDDEN))
     monkeypatch.setattr(tr, "native_kernels", lambda: None)  # torch only (no compiler / not x86)
-    model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=1, hidden=128, layers=2, kv_dtype=kv).model
+    model = tiny_model(40, seed=4, heads=4, kv_heads=1, hidden=128, layers=2, kv_dtype=kv, **heads(kv)).model
     check_tree(model, 11, 12, seed=1, invariant=False)
 
 

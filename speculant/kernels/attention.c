@@ -18,10 +18,13 @@
  * Layouts (float32 unless said, contiguous):
  *   qkv  [S][(H + 2 Hkv) hd]   projections after bias; q and k are rotated in place
  *   cos, sin [S][hd/2]          rotate-half tables at the rows' positions
- *   kc, vc   [Hkv][max_len][hd] this layer's cache, float32 or (kv16) float16; rows go to slots
- *                               start .. start + S - 1 (float16: rounded to nearest even, as torch's
- *                               .half(), and widened exactly on every read, so all the arithmetic
- *                               below is float32 either way)
+ *   kc, vc   [Hkv][max_len][row] this layer's cache, rows of hd values in the cache type kv (KV_F32, KV_F16,
+ *                               KV_Q8); rows go to slots start .. start + S - 1. float16: rounded to nearest
+ *                               even, as torch's .half(). q8_0: llama.cpp's block_q8_0, per 32 values an fp16
+ *                               scale d then 32 int8 q (34 bytes), quantized as models/cache.py's q8_0_rows,
+ *                               bit for bit. Every read widens a value exactly (d * q is exact in float32),
+ *                               so all the arithmetic below is float32 whatever the type, and a q8_0 cache
+ *                               gives the bits a float32 cache holding its dequantized values would.
  *   mask [S][S] uint8 or NULL   NULL: causal (row s attends to slots 0 .. start + s)
  *   out  [S][H hd]
  */
@@ -54,24 +57,49 @@ static void rope(float *x, const float *c, const float *s, int half) {
         else if ((G) - g_ == 1) TILE(g_, 1);                 \
     } while (0)
 
-/* Bytes of a cache row of hd values */
-AI int64_t row_bytes(int64_t hd, int f16) { return hd * (f16 ? 2 : 4); }
+/* The cache types (the kv argument; models/cache.py's KVCache.c_type) */
+#define KV_F32 0
+#define KV_F16 1
+#define KV_Q8 2
 
-/* 8 values of a cache row from element i: float32, or float16 widened (exactly) to float32 */
-AI __m256 ld8(const void *row, int i, int f16) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
-               : _mm256_loadu_ps((const float *)row + i);
+/* Bytes of a cache row of hd values */
+AI int64_t row_bytes(int64_t hd, int kv) { return kv == KV_Q8 ? hd / 32 * 34 : hd * (kv == KV_F16 ? 2 : 4); }
+int64_t attn_row_bytes(int64_t hd, int kv) { return row_bytes(hd, kv); } /* for blocks.c's layer strides */
+
+/* 8 values of a cache row from element i (a multiple of 8), widened exactly to float32 */
+AI __m256 ld8(const void *row, int i, int kv) {
+    if (kv == KV_Q8) {
+        const uint8_t *b = (const uint8_t *)row + (i >> 5) * 34;
+        uint16_t d;
+        memcpy(&d, b, 2);
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + (i & 31)))));
+        return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(d)));
+    }
+    return kv == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
+                        : _mm256_loadu_ps((const float *)row + i);
 }
 
-/* A cache row (hd values) from a float32 one: copied, or rounded to float16 (nearest even) */
-static void store_row(void *dst, const float *src, int64_t hd, int f16) {
-    if (!f16) {
+/* A cache row (hd values) from a float32 one: copied, rounded to float16 (nearest even), or quantized to q8_0 blocks
+ * as ggml's quantize_row_q8_0_ref (d = amax / 127, q = x * (1 / d) rounded, d stored as fp16) but rounding q to
+ * nearest even (the current mode, as torch.round in cache.py) where ggml rounds halves away from zero */
+static void store_row(void *dst, const float *src, int64_t hd, int kv) {
+    if (kv == KV_F32) {
         memcpy(dst, src, hd * sizeof(float));
-        return;
+    } else if (kv == KV_F16) {
+        for (int64_t d = 0; d < hd; d += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + d),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        for (int64_t b0 = 0; b0 < hd; b0 += 32) {
+            uint8_t *b = (uint8_t *)dst + b0 / 32 * 34;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[b0 + i]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 32; i++) b[2 + i] = (uint8_t)(int8_t)nearbyintf(src[b0 + i] * id);
+        }
     }
-    for (int64_t d = 0; d < hd; d += 8)
-        _mm_storeu_si128((__m128i *)((uint16_t *)dst + d),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /* Rows j .. j+n-1 (those below LA) of a cache segment (rows of rb bytes) into L1, a block ahead of their use:
@@ -87,12 +115,12 @@ AI void prefetch_rows(const void *a, int64_t j, int n, int64_t LA, int64_t rb) {
  * each key chunk once for all nh heads is what this tiling is for. Per (head, key) the same operations
  * whatever nh, G or the neighbouring keys, so a score does not depend on the tiling. */
 AI void scores4(const float *q, int nh, const void *k0, const void *k1, const void *k2, const void *k3, int hd,
-                __m128 sv, float *p, int64_t L8, int f16) {
+                __m128 sv, float *p, int64_t L8, int kv) {
     __m256 a[HT][4];
     for (int h = 0; h < nh; h++)
         for (int i = 0; i < 4; i++) a[h][i] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d += 8) {
-        const __m256 x0 = ld8(k0, d, f16), x1 = ld8(k1, d, f16), x2 = ld8(k2, d, f16), x3 = ld8(k3, d, f16);
+        const __m256 x0 = ld8(k0, d, kv), x1 = ld8(k1, d, kv), x2 = ld8(k2, d, kv), x3 = ld8(k3, d, kv);
         for (int h = 0; h < nh; h++) {
             const __m256 qh = _mm256_loadu_ps(q + h * hd + d);
             a[h][0] = _mm256_fmadd_ps(qh, x0, a[h][0]);
@@ -114,19 +142,19 @@ AI void scores4(const float *q, int nh, const void *k0, const void *k1, const vo
 #define SEG(a, b, j) ((j) < LA ? (const char *)(a) + (j) * rb : (const char *)(b) + ((j) - LA) * rb)
 
 /* o[h * hd + d0 + 8 i + lane] (i < nv, h < nh) += sum over keys j0 .. j1-1, in order, of p[h * L8 + j] v_j[...]:
- * one fma chain per output lane (starting from o's value unless j0 = 0), each value vector loaded once
+ * one fma chain per output lane (starting from o's value unless `first`), each value vector loaded once
  * for the nh heads. */
 AI void wsum(const float *p, int nh, int64_t L8, const void *vA, const void *vB, int64_t LA, int64_t j0, int64_t j1,
-             int hd, int d0, int nv, float *o, int pf, int f16) {
-    const int64_t rb = row_bytes(hd, f16);
+             int hd, int d0, int nv, float *o, int pf, int kv, int first) {
+    const int64_t rb = row_bytes(hd, kv);
     __m256 acc[HT][4];
     for (int h = 0; h < nh; h++)
-        for (int i = 0; i < nv; i++) acc[h][i] = j0 ? _mm256_loadu_ps(o + h * hd + d0 + 8 * i) : _mm256_setzero_ps();
+        for (int i = 0; i < nv; i++) acc[h][i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + h * hd + d0 + 8 * i);
     for (int64_t j = j0; j < j1; j++) {
         const void *vj = SEG(vA, vB, j);
         if (pf) prefetch_rows(vA, j + KEYS, 1, LA, rb);
         __m256 v[4];
-        for (int i = 0; i < nv; i++) v[i] = ld8(vj, d0 + 8 * i, f16);
+        for (int i = 0; i < nv; i++) v[i] = ld8(vj, d0 + 8 * i, kv);
         for (int h = 0; h < nh; h++) {
             const __m256 pj = _mm256_set1_ps(p[h * L8 + j]);
             for (int i = 0; i < nv; i++) acc[h][i] = _mm256_fmadd_ps(pj, v[i], acc[h][i]);
@@ -139,20 +167,44 @@ AI void wsum(const float *p, int nh, int64_t L8, const void *vA, const void *vB,
 /* The scores and weighted sums of one tile of nh heads (constant at each call site, so each gets its
  * own unrolled copy). */
 AI void scores_tile(const float *q, int nh, const void *kA, const void *kB, int64_t LA, int64_t j0, int64_t j1,
-                    int hd, __m128 sv, float *p, int64_t L8, int pf, int f16) {
-    const int64_t rb = row_bytes(hd, f16);
+                    int hd, __m128 sv, float *p, int64_t L8, int pf, int kv) {
+    const int64_t rb = row_bytes(hd, kv);
     for (int64_t j = j0; j < j1; j += 4) {
         if (pf) prefetch_rows(kA, j + KEYS, 4, LA, rb);
         scores4(q, nh, SEG(kA, kB, j), SEG(kA, kB, j + 1), SEG(kA, kB, j + 2), SEG(kA, kB, j + 3), hd, sv, p + j, L8,
-                f16);
+                kv);
     }
 }
 
 AI void wsum_tile(const float *p, int nh, int64_t L8, const void *vA, const void *vB, int64_t LA, int64_t j0,
-                  int64_t j1, int hd, float *o, int pf, int f16) {
+                  int64_t j1, int hd, float *o, int pf, int kv, int first) {
     int d0 = 0;
-    for (; d0 + 32 <= hd; d0 += 32) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 4, o, pf && !d0, f16);
-    for (; d0 < hd; d0 += 8) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 1, o, pf && !d0, f16);
+    for (; d0 + 32 <= hd; d0 += 32) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 4, o, pf && !d0, kv, first);
+    for (; d0 < hd; d0 += 8) wsum(p, nh, L8, vA, vB, LA, j0, j1, hd, d0, 1, o, pf && !d0, kv, first);
+}
+
+/* Rows j0 .. j1-1 of a q8_0 segment pair (as SEG) widened into dq [j1 - j0][hd] float32 (d * q, exact), the rows a
+ * block ahead prefetched. A q8_0 cache is read a block of KEYS rows at a time through this copy in L1, which every
+ * head tile then reads as float32: widening each value once for the G heads (instead of once per 3-head tile, a
+ * scale, a sign extension, a conversion and a multiply each time) made the 1.5B's attention after 4000 slots 1.5x
+ * faster for 5 rows and 1.25x for 1 (`scripts/attention_bench.py --kv-dtypes f16 q8_0`, 2 Zen 4 cores: 55.0 ->
+ * 34.7 ms, 10.2 -> 9.0 ms; float16 29.5 and 11.8 ms, README "KV cache"), and its bits are a float32 cache's. */
+AI void widen_q8(const void *A, const void *B, int64_t LA, int64_t j0, int64_t j1, int hd, float *dq) {
+    const int64_t rb = row_bytes(hd, KV_Q8);
+    for (int64_t j = j0; j < j1; j++) {
+        prefetch_rows(A, j + KEYS, 1, LA, rb);
+        const uint8_t *r = (const uint8_t *)SEG(A, B, j);
+        float *out = dq + (j - j0) * hd;
+        for (int b = 0; b < hd / 32; b++) {
+            uint16_t d16;
+            memcpy(&d16, r + 34 * b, 2);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16));
+            for (int i = 0; i < 4; i++) {
+                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(r + 34 * b + 2 + 8 * i));
+                _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d));
+            }
+        }
+    }
 }
 
 /* One query row of the G heads that share one key/value head, against slots 0 .. L-1.
@@ -166,12 +218,20 @@ AI void wsum_tile(const float *p, int nh, int64_t L8, const void *vA, const void
  * (head, key) score and each output lane is the same chain of operations. What each head computes, and
  * in which order, does not depend on G's neighbours, on the tiling or on other rows. */
 AI void attend_group(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
-                     const void *vB, int64_t L, int hd, float scale, float *p, float *o, int f16) {
-    const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7, rb = row_bytes(hd, f16);
+                     const void *vB, int64_t L, int hd, float scale, float *p, float *o, int kv, float *dq) {
+    const int64_t L8 = (L + 7) & ~(int64_t)7, full = L & ~(int64_t)7, rb = row_bytes(hd, kv);
     const __m128 sv = _mm_set1_ps(scale);
     for (int64_t j0 = 0; j0 < full; j0 += KEYS) {  /* scores, 4 keys x HT heads at a time */
         const int64_t j1 = j0 + KEYS < full ? j0 + KEYS : full;
-#define SCORES(g, nh) scores_tile(q + (g) * hd, nh, kA, kB, LA, j0, j1, hd, sv, p + (g) * L8, L8, !(g), f16)
+        if (kv == KV_Q8) { /* the block widened once, then read as a float32 segment of j1 - j0 rows */
+            widen_q8(kA, kB, LA, j0, j1, hd, dq);
+#define SCORES(g, nh) \
+    scores_tile(q + (g) * hd, nh, dq, dq, j1 - j0, 0, j1 - j0, hd, sv, p + (g) * L8 + j0, L8, 0, KV_F32)
+            HEAD_TILES(G, SCORES);
+#undef SCORES
+            continue;
+        }
+#define SCORES(g, nh) scores_tile(q + (g) * hd, nh, kA, kB, LA, j0, j1, hd, sv, p + (g) * L8, L8, !(g), kv)
         HEAD_TILES(G, SCORES);
 #undef SCORES
     }
@@ -180,7 +240,7 @@ AI void attend_group(const float *q, int G, const void *kA, const void *vA, int6
         for (int64_t j = full; j < L; j++) {  /* the last L % 8 keys one at a time */
             const void *kj = SEG(kA, kB, j);
             __m256 a = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), ld8(kj, d, f16), a);
+            for (int d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d), ld8(kj, d, kv), a);
             pg[j] = hsum(a) * scale;
         }
         for (int64_t j = L; j < L8; j++) pg[j] = -INFINITY;
@@ -202,7 +262,14 @@ AI void attend_group(const float *q, int G, const void *kA, const void *vA, int6
      * accumulators live in o between blocks, so every output still sums over j in order */
     for (int64_t j0 = 0; j0 < L; j0 += KEYS) {
         const int64_t j1 = j0 + KEYS < L ? j0 + KEYS : L;
-#define WSUM(g, nh) wsum_tile(p + (g) * L8, nh, L8, vA, vB, LA, j0, j1, hd, o + (g) * hd, !(g), f16)
+        if (kv == KV_Q8) {
+            widen_q8(vA, vB, LA, j0, j1, hd, dq);
+#define WSUM(g, nh) wsum_tile(p + (g) * L8 + j0, nh, L8, dq, dq, j1 - j0, 0, j1 - j0, hd, o + (g) * hd, 0, KV_F32, !j0)
+            HEAD_TILES(G, WSUM);
+#undef WSUM
+            continue;
+        }
+#define WSUM(g, nh) wsum_tile(p + (g) * L8, nh, L8, vA, vB, LA, j0, j1, hd, o + (g) * hd, !(g), kv, !j0)
         HEAD_TILES(G, WSUM);
 #undef WSUM
     }
@@ -212,29 +279,33 @@ AI void attend_group(const float *q, int G, const void *kA, const void *vA, int6
     }
 }
 
-/* attend_group for each cache type, each its own compiled copy (constant f16) */
+/* attend_group for each cache type, each its own compiled copy (a constant type) */
 static void attend_f32(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
-                       const void *vB, int64_t L, int hd, float scale, float *p, float *o) {
-    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, 0);
+                       const void *vB, int64_t L, int hd, float scale, float *p, float *o, float *dq) {
+    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, KV_F32, dq);
 }
 static void attend_f16(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
-                       const void *vB, int64_t L, int hd, float scale, float *p, float *o) {
-    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, 1);
+                       const void *vB, int64_t L, int hd, float scale, float *p, float *o, float *dq) {
+    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, KV_F16, dq);
+}
+static void attend_q8(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,
+                      const void *vB, int64_t L, int hd, float scale, float *p, float *o, float *dq) {
+    attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, KV_Q8, dq);
 }
 
-/* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8. */
+/* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8 (of 32 for q8_0). */
 int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
-                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv16,
+                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv,
                      int nthreads) {
-    if (hd % 8) return -2;
-    const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv, rb = row_bytes(hd, kv16);
+    if (hd % (kv == KV_Q8 ? 32 : 8)) return -2;
+    const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv, rb = row_bytes(hd, kv);
     char *kc8 = (char *)kc, *vc8 = (char *)vc;
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * width;
         for (int64_t h = 0; h < H + Hkv; h++) rope(row + h * hd, cos + s * half, sin + s * half, (int)half);
         for (int64_t h = 0; h < Hkv; h++) {
-            store_row(kc8 + (h * max_len + start + s) * rb, row + (H + h) * hd, hd, kv16);
-            store_row(vc8 + (h * max_len + start + s) * rb, row + (H + Hkv + h) * hd, hd, kv16);
+            store_row(kc8 + (h * max_len + start + s) * rb, row + (H + h) * hd, hd, kv);
+            store_row(vc8 + (h * max_len + start + s) * rb, row + (H + Hkv + h) * hd, hd, kv);
         }
     }
     const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7, c0 = start & ~(int64_t)7;
@@ -248,7 +319,8 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
     const int64_t per = (group + parts - 1) / parts;
     parts = (group + per - 1) / per;
     if (pairs * parts < 2) nthreads = 1;
-    const int64_t need = per * Lmax8 + per + 2 * tail * hd; /* scores, normalisers, segment B of one task */
+    /* scores, normalisers, segment B of one task, and (q8_0) a block of widened rows */
+    const int64_t need = per * Lmax8 + per + 2 * tail * hd + (kv == KV_Q8 ? KEYS * hd : 0);
     float *scratch = (float *)malloc(sizeof(float) * need * nthreads);
     if (!scratch) return -1;
     const float scale = 1.0f / sqrtf((float)hd);
@@ -256,6 +328,7 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
     {
         float *p = scratch + need * omp_get_thread_num();
         char *kB = (char *)(p + per * Lmax8 + per), *vB = kB + tail * rb;
+        float *dq = p + per * Lmax8 + per + 2 * tail * hd;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs * parts; t++) {
             /* a thread's tasks are consecutive rows of one key/value head: the rows after the first read its
@@ -279,8 +352,9 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
                 LA = c0;
                 L = c0 + n;
             }
-            (kv16 ? attend_f16 : attend_f32)(qkv + s * width + h0 * hd, (int)g, k, v, LA, kB, vB, L, (int)hd, scale,
-                                             p, out + s * H * hd + h0 * hd);
+            (kv == KV_Q8 ? attend_q8 : kv == KV_F16 ? attend_f16 : attend_f32)(
+                qkv + s * width + h0 * hd, (int)g, k, v, LA, kB, vB, L, (int)hd, scale, p, out + s * H * hd + h0 * hd,
+                dq);
         }
     }
     free(scratch);

@@ -23,8 +23,9 @@ typedef struct gq_part gq_part;
 int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64_t K, const float *bias, float *y,
               int64_t N, int nthreads);
 int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
-                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv16,
+                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv,
                      int nthreads);
+int64_t attn_row_bytes(int64_t hd, int kv);
 void rms_norm_rows(const float *x, const float *w, int64_t S, int64_t D, float eps, float *out);
 void silu_mul_rows(const float *h, int64_t S, int64_t F, float *act);
 
@@ -50,21 +51,21 @@ static void add_rows(float *x, const float *y, int64_t n) {
 }
 
 /* x[S, D] (in/out): the residual stream before the first block, after the last. The KV caches kc,
- * vc are [n_blocks][Hkv][max_len][hd], float32 or (kv16) float16; the S new rows are written at slots
- * start..start+S-1.
+ * vc are [n_blocks][Hkv][max_len][row], rows of hd values in the cache type kv (attention.c); the S new
+ * rows are written at slots start..start+S-1.
  * cos, sin [S][hd/2] are the rows' rotary tables; mask [S][S] (or NULL: causal) as attn_rows_masked;
  * taps [n_blocks] (or NULL): where taps[l] is not NULL, x after block l is copied there ([S, D]).
  * Returns 0, or the first kernel's error code. */
 int gq_blocks_ex(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, int64_t D, int64_t H, int64_t Hkv,
                  int64_t hd, int64_t F, float eps, const float *cos, const float *sin, void *kc, void *vc,
-                 int64_t max_len, int64_t start, const uint8_t *mask, float *const *taps, int kv16, int nthreads) {
+                 int64_t max_len, int64_t start, const uint8_t *mask, float *const *taps, int kv, int nthreads) {
     const int64_t W = (H + 2 * Hkv) * hd, A = H * hd;
     /* scratch: h [S, max(D, F)], qkv [S, W], att [S, A], delta [S, D], gu [S, 2F] */
     const int64_t HW = D > F ? D : F;
     float *buf = (float *)malloc(sizeof(float) * S * (HW + W + A + D + 2 * F));
     if (!buf) return -1;
     float *h = buf, *qkv = h + S * HW, *att = qkv + S * W, *delta = att + S * A, *gu = delta + S * D;
-    const int64_t layer_cache = Hkv * max_len * hd * (kv16 ? 2 : 4); /* bytes */
+    const int64_t layer_cache = Hkv * max_len * attn_row_bytes(hd, kv); /* bytes */
     int rc = 0;
     for (int64_t l = 0; l < n_blocks && !rc; l++) {
         const gq_block *b = blocks + l;
@@ -72,7 +73,7 @@ int gq_blocks_ex(const gq_block *blocks, int64_t n_blocks, float *x, int64_t S, 
         if ((rc = mm(&b->qkv, h, S, D, qkv, nthreads)))
             break;
         if ((rc = attn_rows_masked(qkv, S, H, Hkv, hd, cos, sin, (char *)kc + l * layer_cache,
-                                   (char *)vc + l * layer_cache, max_len, start, mask, att, kv16, nthreads)))
+                                   (char *)vc + l * layer_cache, max_len, start, mask, att, kv, nthreads)))
             break;
         if ((rc = mm(&b->o, att, S, A, delta, nthreads)))
             break;

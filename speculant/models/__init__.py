@@ -19,7 +19,7 @@ from ..tokenizer import Tokenizer
 from .build import build_transformer
 from .calibration import CALIBRATION_TEXT
 from .cache import KVCache
-from .cache import default_kv_dtype, kv_dtype as kv_dtype_of
+from .cache import check_kv_dtype, default_kv_dtype, kv_dtype as kv_dtype_of
 from .config import ModelConfig
 from .formats import WEIGHT_FORMATS
 from .transformer import Output, Transformer
@@ -125,7 +125,7 @@ def _stored_dtype(folder: Path) -> str | None:
 def load_model(spec: str, dtype: str | None = None, *, device: str | torch.device = "cpu", progress: bool = True,
                use_cache: bool = True, draft: bool = False, kv_dtype: str | None = None) -> LoadedModel:
     """A model by preset name, .gguf path or Hugging Face folder, in `dtype` (None: the file's own format;
-    for a `draft` model, `draft_dtype`'s choice); its KV caches in `kv_dtype` (f32 or f16, cache.KV_DTYPES; None:
+    for a `draft` model, `draft_dtype`'s choice); its KV caches in `kv_dtype` (f32, f16 or q8_0, cache.KV_DTYPES; None:
     cache.default_kv_dtype of the weight format, f16 but for float32 weights)."""
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
@@ -161,6 +161,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
                               calibration_ids=calib)
     model = model.to(dev)
     model.kv_dtype = kv_dtype_of(kv_dtype or default_kv_dtype(dtype))
+    check_kv_dtype(model.kv_dtype, model.cfg.head_dim)  # q8_0 needs whole blocks: said now, not at the first prompt
     if dev.type == "cpu":
         # The fused block loop, built now: its layers repack here (load time), not in the first request. The
         # output layer repacks on its first use, and never for a draft model, which runs its first rows only.

@@ -5,11 +5,13 @@ length..length+S-1 and advances `length`; `rollback(n)` is O(1) (it moves the le
 slots are simply overwritten later); `keep(indices)` commits a subset of the last forward's slots
 (a tree path) with one gather-copy per layer.
 
-Keys and values are stored in float32 or float16 (`--kv-dtype`, KV_DTYPES): float16 rounds each
-value once as it is written (to nearest even) and halves the cache's memory and what one-token
-decoding streams of it; every computation on it stays float32. Speculative output is still the
-target's: `ar` and every method read the same rounded keys and values. float16 is the default
-(llama.cpp's too) except beside float32 weights, the reference, which keep a float32 cache
+Keys and values are stored in float32, float16 or q8_0 (`--kv-dtype`, KV_DTYPES): float16 rounds each
+value once as it is written (to nearest even); q8_0 quantizes each 32 values of a head's row to llama.cpp's
+block_q8_0 (an fp16 scale and 32 int8, 8.5 bits a value: q8_0_rows), a quarter of float32's memory and of
+what one-token decoding streams of it. Every read widens exactly (q8_0: d * q is exact in float32), so every
+computation on the cache stays float32, and a q8_0 cache behaves as a float32 cache holding its dequantized
+values. Speculative output is still the target's: `ar` and every method read the same rounded cache. float16
+is the default (llama.cpp's too) except beside float32 weights, the reference, which keep a float32 cache
 (default_kv_dtype).
 """
 
@@ -21,7 +23,10 @@ from torch import Tensor
 from ..errors import SpeculantError
 
 
-KV_DTYPES = {"f32": torch.float32, "f16": torch.float16}  # --kv-dtype choices
+# --kv-dtype choices: the torch dtype of the cache's storage (q8_0: the blocks' bytes, as int8)
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8_0": torch.int8}
+Q8_BLOCK = 32  # values per q8_0 block: an fp16 scale, then 32 int8 (Q8_BYTES)
+Q8_BYTES = 34
 
 
 def default_kv_dtype(weights: str) -> str:
@@ -43,22 +48,52 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in KV_DTYPES.items() if d == dtype)
 
 
+def check_kv_dtype(dtype: torch.dtype, head_dim: int) -> None:
+    """A clear error for a cache type that cannot hold this model's heads (q8_0 needs whole 32-value blocks)."""
+    if dtype not in KV_DTYPES.values():
+        raise SpeculantError(f"a KV cache holds {', '.join(KV_DTYPES)}, not {dtype}")
+    if dtype == torch.int8 and head_dim % Q8_BLOCK:
+        raise SpeculantError(f"--kv-dtype q8_0 needs heads of whole {Q8_BLOCK}-value blocks; this model's heads have "
+                             f"{head_dim} values: choose --kv-dtype f16 or f32")
+
+
+def q8_0_rows(x: Tensor) -> Tensor:
+    """x [..., hd] (hd a multiple of 32) as q8_0 rows [..., hd / 32 * 34] int8: per 32 values d = amax / 127 as
+    fp16, then q = round(x * (1 / d)) (0 where d is 0), as ggml's quantize_row_q8_0_ref but rounding halves to
+    even. attention.c's store_row makes the same bytes (tests/test_attention_kernel.py)."""
+    lead, hd = x.shape[:-1], x.shape[-1]
+    b = x.float().reshape(*lead, hd // Q8_BLOCK, Q8_BLOCK)
+    d = b.abs().amax(-1, keepdim=True) / torch.full((), 127.0)
+    inv = torch.where(d > 0, torch.ones(()) / d, torch.zeros(()))
+    q = torch.round(b * inv).to(torch.int8)
+    return torch.cat([d.half().view(torch.int8), q], -1).reshape(*lead, hd // Q8_BLOCK * Q8_BYTES)
+
+
+def q8_0_values(r: Tensor) -> Tensor:
+    """q8_0 rows [..., n * 34] int8 -> their values [..., n * 32] float32, exactly d * q."""
+    lead, n = r.shape[:-1], r.shape[-1] // Q8_BYTES
+    b = r.reshape(*lead, n, Q8_BYTES)
+    return (b[..., 2:].float() * b[..., :2].contiguous().view(torch.float16).float()).reshape(*lead, n * Q8_BLOCK)
+
+
 class KVCache:
     def __init__(
         self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        if dtype not in KV_DTYPES.values():
-            raise SpeculantError(f"a KV cache holds float32 or float16, not {dtype}")
+        check_kv_dtype(dtype, head_dim)
         self.max_len = max_len
-        # [layers, kv_heads, max_len, head_dim]: one block each so keep() gathers all layers at once.
-        self.k = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.head_dim = head_dim
+        self.dtype = dtype  # KV_DTYPES' value of the cache type
+        row = head_dim // Q8_BLOCK * Q8_BYTES if dtype == torch.int8 else head_dim
+        # [layers, kv_heads, max_len, row]: one block each so keep() gathers all layers at once.
+        self.k = torch.zeros(n_layers, n_kv_heads, max_len, row, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
     @property
-    def half(self) -> int:
-        """The C kernels' kv16 flag: 1 for a float16 cache."""
-        return int(self.k.dtype == torch.float16)
+    def c_type(self) -> int:
+        """The C kernels' cache type (attention.c): 0 float32, 1 float16, 2 q8_0."""
+        return (torch.float32, torch.float16, torch.int8).index(self.dtype)
 
     def reserve(self, s: int) -> tuple[int, int]:
         """Slots [start, end) for s new tokens; raises if the context is full."""
@@ -72,6 +107,10 @@ class KVCache:
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [kv_heads, S, head_dim] at `start`; return the layer's keys/values up to the new end."""
         end = start + k.shape[1]
+        if self.dtype == torch.int8:
+            self.k[layer, :, start:end] = q8_0_rows(k)
+            self.v[layer, :, start:end] = q8_0_rows(v)
+            return q8_0_values(self.k[layer, :, :end]), q8_0_values(self.v[layer, :, :end])
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]

@@ -93,7 +93,7 @@ class FusedBlocks:
             mask = mask.to(torch.bool).contiguous()
         rc = self._fn(ctypes.byref(self.table), self.n, x.data_ptr(), S, D, H, Hkv, hd, F, self.eps, cos.data_ptr(),
                       sin.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), cache.max_len, start,
-                      None if mask is None else mask.data_ptr(), ptrs, cache.half, torch.get_num_threads())
+                      None if mask is None else mask.data_ptr(), ptrs, cache.c_type, torch.get_num_threads())
         if rc:
             raise MemoryError(f"fused blocks failed ({rc}): out of memory for scratch")
         return x, tapped

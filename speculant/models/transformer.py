@@ -103,7 +103,7 @@ class Block(nn.Module):
             m = None if mask is None else mask.to(torch.bool).contiguous()
             rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
                                       cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len, start,
-                                      None if m is None else m.data_ptr(), out.data_ptr(), cache.half,
+                                      None if m is None else m.data_ptr(), out.data_ptr(), cache.c_type,
                                       torch.get_num_threads())
             if rc:
                 raise MemoryError(f"native attention failed ({rc})")
