@@ -63,7 +63,7 @@ class SpeedConfig:
 
     def __post_init__(self) -> None:
         if self.kv_dtype is not None:
-            kv_dtype(self.kv_dtype)  # a clear error for anything but f32 / f16
+            kv_dtype(self.kv_dtype)  # a clear error for anything but cache.KV_DTYPES
         if not self.models:
             raise SpeculantError("--models needs at least one model")
         bad = [d for d in self.dtypes if d not in WEIGHT_FORMATS]
