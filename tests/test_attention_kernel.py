@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from speculant.models import native
-from speculant.models.cache import q8_0_rows, q8_0_values
+from speculant.models.cache import KV_DTYPES, q8_0_rows, q8_0_values
 from speculant.models.fused import bind_tree_kernels
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the x86 kernels need AVX2 and gcc")
 
 SHAPES = [(12, 2, 128), (14, 2, 64), (9, 3, 64), (8, 8, 64), (8, 1, 80), (16, 2, 96), (4, 2, 8), (5, 1, 24),
           (7, 7, 32)]  # (query heads, key/value heads, head size): G = 6, 7, 3, 1, 8, 8, 2, 5, 1
-KV = [torch.float32, torch.float16, torch.int8]  # cache.KV_DTYPES: f32, f16, q8_0 (its blocks' bytes as int8)
+KV = list(KV_DTYPES.values())  # f32, f16, q8_0 (its blocks' bytes as int8): the C type code is the place in it
 
 
 def with_kv(shapes):

@@ -61,19 +61,29 @@ static void rope(float *x, const float *c, const float *s, int half) {
 #define KV_F32 0
 #define KV_F16 1
 #define KV_Q8 2
+#define Q8_BYTES 34 /* a q8_0 block: the fp16 scale, then 32 int8 */
 
 /* Bytes of a cache row of hd values */
-AI int64_t row_bytes(int64_t hd, int kv) { return kv == KV_Q8 ? hd / 32 * 34 : hd * (kv == KV_F16 ? 2 : 4); }
+AI int64_t row_bytes(int64_t hd, int kv) { return kv == KV_Q8 ? hd / 32 * Q8_BYTES : hd * (kv == KV_F16 ? 2 : 4); }
 int64_t attn_row_bytes(int64_t hd, int kv) { return row_bytes(hd, kv); } /* for blocks.c's layer strides */
+
+/* A q8_0 block's scale, broadcast */
+AI __m256 q8_scale(const uint8_t *b) {
+    uint16_t d;
+    memcpy(&d, b, 2);
+    return _mm256_set1_ps(_cvtsh_ss(d));
+}
+
+/* Values i .. i + 7 of a q8_0 block times its scale d (from q8_scale): exact in float32 */
+AI __m256 q8_values8(const uint8_t *b, int i, __m256 d) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + i)))), d);
+}
 
 /* 8 values of a cache row from element i (a multiple of 8), widened exactly to float32 */
 AI __m256 ld8(const void *row, int i, int kv) {
     if (kv == KV_Q8) {
-        const uint8_t *b = (const uint8_t *)row + (i >> 5) * 34;
-        uint16_t d;
-        memcpy(&d, b, 2);
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + (i & 31)))));
-        return _mm256_mul_ps(q, _mm256_set1_ps(_cvtsh_ss(d)));
+        const uint8_t *b = (const uint8_t *)row + (i >> 5) * Q8_BYTES;
+        return q8_values8(b, i & 31, q8_scale(b));
     }
     return kv == KV_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)))
                         : _mm256_loadu_ps((const float *)row + i);
@@ -91,7 +101,7 @@ static void store_row(void *dst, const float *src, int64_t hd, int kv) {
                              _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
         for (int64_t b0 = 0; b0 < hd; b0 += 32) {
-            uint8_t *b = (uint8_t *)dst + b0 / 32 * 34;
+            uint8_t *b = (uint8_t *)dst + b0 / 32 * Q8_BYTES;
             float amax = 0.0f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[b0 + i]));
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -196,13 +206,9 @@ AI void widen_q8(const void *A, const void *B, int64_t LA, int64_t j0, int64_t j
         const uint8_t *r = (const uint8_t *)SEG(A, B, j);
         float *out = dq + (j - j0) * hd;
         for (int b = 0; b < hd / 32; b++) {
-            uint16_t d16;
-            memcpy(&d16, r + 34 * b, 2);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16));
-            for (int i = 0; i < 4; i++) {
-                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(r + 34 * b + 2 + 8 * i));
-                _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d));
-            }
+            const uint8_t *blk = r + Q8_BYTES * b;
+            const __m256 d = q8_scale(blk);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 32 * b + 8 * i, q8_values8(blk, 8 * i, d));
         }
     }
 }

@@ -83,7 +83,6 @@ class KVCache:
         check_kv_dtype(dtype, head_dim)
         self.max_len = max_len
         self.head_dim = head_dim
-        self.dtype = dtype  # KV_DTYPES' value of the cache type
         row = head_dim // Q8_BLOCK * Q8_BYTES if dtype == torch.int8 else head_dim
         # [layers, kv_heads, max_len, row]: one block each so keep() gathers all layers at once.
         self.k = torch.zeros(n_layers, n_kv_heads, max_len, row, dtype=dtype, device=device)
@@ -91,9 +90,14 @@ class KVCache:
         self.length = 0
 
     @property
+    def dtype(self) -> torch.dtype:
+        """KV_DTYPES' value of the cache type (the storage's dtype)."""
+        return self.k.dtype
+
+    @property
     def c_type(self) -> int:
-        """The C kernels' cache type (attention.c): 0 float32, 1 float16, 2 q8_0."""
-        return (torch.float32, torch.float16, torch.int8).index(self.dtype)
+        """The C kernels' cache type (attention.c's KV_F32, KV_F16, KV_Q8): its place in KV_DTYPES."""
+        return list(KV_DTYPES.values()).index(self.k.dtype)
 
     def reserve(self, s: int) -> tuple[int, int]:
         """Slots [start, end) for s new tokens; raises if the context is full."""
