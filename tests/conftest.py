@@ -72,3 +72,20 @@ def real_model_cache():
         return loaded[(name, dtype)]
 
     return get
+
+
+@pytest.fixture
+def prefill_route(monkeypatch):
+    """Sets $SPECULANT_PREFILL (None: unset) for the test, prefill_routes() re-read; unset after."""
+    from speculant.models.formats import ggml
+
+    def use(value: str | None) -> tuple[str, ...]:
+        if value is None:
+            monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("SPECULANT_PREFILL", value)
+        ggml.prefill_routes.cache_clear()
+        return ggml.prefill_routes()
+    yield use
+    monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
+    ggml.prefill_routes.cache_clear()

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from speculant.errors import SpeculantError
+from speculant.models import native
 from speculant.models.formats import ggml
 from speculant.models.formats.ggml import GGMLLinear, Part
 from tests.test_gguf_kernels import builds, dequant, q8_reference, random_blocks
@@ -79,43 +80,34 @@ def test_gemm_refuses_what_it_does_not_multiply():
             assert gemm(lib, GGMLLinear(parts, K), x)[0] == -5, name
 
 
-@pytest.fixture
-def route(monkeypatch):
-    def set_route(value: str | None) -> tuple[str, ...]:
-        if value is None:
-            monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
-        else:
-            monkeypatch.setenv("SPECULANT_PREFILL", value)
-        ggml.prefill_routes.cache_clear()
-        return ggml.prefill_routes()
-    yield set_route
-    monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
-    ggml.prefill_routes.cache_clear()
-
-
-def test_prefill_routes_follow_the_cpu_and_the_environment(route):
+def test_prefill_routes_follow_the_cpu_and_the_environment(prefill_route):
+    route = prefill_route
     default = route(None)
     assert default[-1] == "rows" and len(set(default)) == len(default)
     assert route("rows")[0] == "rows" and route("int8")[0] == "rows"  # int8: the old name
-    if "gemm" in default:
-        assert route("gemm")[0] == "gemm"
+    if "gemm" in default:  # the x86 builds: the fused blocks take prompts first unless AMX's bf16 leads
+        assert route("gemm")[0] == "gemm" and route("fused")[0] == "fused"
+        assert default[0] == ("bf16" if "amx_bf16" in native.cpu_flags() else "fused")
+    else:
+        assert "fused" not in default
     with pytest.raises(SpeculantError, match="SPECULANT_PREFILL must be one of"):
         route("fast")
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0, T.BF16], ids=lambda t: t.name)
-def test_a_long_pass_takes_the_first_route_its_layer_allows(route, t):
-    """40 rows: a Q4_K or Q8_0 layer goes through gq_gemm where it leads the routes, a BF16 one (gq_gemm does
-    not multiply it) through the next route; all stay close to the float64 reference, and rows forced through
-    gq_matmul are its short-pass results."""
+def test_a_long_pass_takes_the_first_route_its_layer_allows(prefill_route, t):
+    """40 rows: a Q4_K or Q8_0 layer goes through gq_gemm where it leads a layer's routes (after "fused", the
+    whole model's), a BF16 one (gq_gemm does not multiply it) through the next route; all stay close to the
+    float64 reference, and rows forced through gq_matmul are its short-pass results."""
+    route = prefill_route
     K = 512
     lin = GGMLLinear([Part(int(t), random_blocks(t, 64, K, seed=5))], K)
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(3))
     ref = q8_reference(x, t) @ lin.dequantized().double().T
-    routes = route(None)
+    lead = next(r for r in route(None) if r in ggml.LINEAR_ROUTES)
     y = lin(x)
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < 2e-2
-    if routes[0] == "gemm" and lin._lib.gq_gemm_type(int(t)):
+    if lead == "gemm" and lin._lib.gq_gemm_type(int(t)):
         assert torch.equal(y, gemm(lin._lib, lin, x)[1])
     route("rows")
     assert torch.equal(lin(x), torch.cat([lin(x[:20]), lin(x[20:])]))

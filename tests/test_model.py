@@ -138,10 +138,11 @@ def test_taps_return_requested_layers_and_logit_rows():
 
 
 @pytest.mark.parametrize("fmt", ["float32", "q8_0"])
-def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkeypatch):
+def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkeypatch, prefill_route):
     from speculant.models import transformer
 
     monkeypatch.setattr(transformer, "PREFILL_CHUNK", 40)  # 100 tokens: chunks of 40, 40 and 20
+    prefill_route("gemm" if "gemm" in prefill_route(None) else None)  # the SDPA chunks (the fused route's: below)
     m = tiny_model(64, fmt=fmt, layers=3, context=256).model
     tokens = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(4))
     c1, c2 = m.new_cache(128), m.new_cache(128)
@@ -162,6 +163,37 @@ def test_long_prompts_go_through_in_chunks_that_match_separate_calls(fmt, monkey
     with pytest.raises(SpeculantError, match="context"):
         m(tokens, c1)  # 100 more do not fit: refused before any chunk runs
     assert c1.length == 100
+
+
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_prompts_through_the_fused_route_are_the_bits_of_decoding_them(kv, prefill_route):
+    """Where the fused route leads the prefill routes (x86 builds without AMX), a prompt goes through as short
+    passes of the fused blocks, whose rows are batch-invariant: the prompt's logits, taps and cache are those
+    of feeding it one token at a time, however it is split."""
+    from speculant.models.transformer import PREFILL_CHUNK, ROW_WISE_MAX
+
+    routes = prefill_route("fused")
+    m = tiny_model(64, fmt="q8_0", layers=3, context=256, dim=64, heads=2, kv_heads=1, kv_dtype=kv).model
+    if routes[0] != "fused" or m.fused_blocks() is None:
+        pytest.skip("the fused blocks need the x86 kernels")
+    assert m.prefill_chunk() == ROW_WISE_MAX
+    tokens = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(5))
+    c1, c2, c3 = m.new_cache(128), m.new_cache(128), m.new_cache(128)
+    whole = m(tokens, c1, taps=(1,))
+    ones = [m(tokens[i : i + 1], c2, taps=(1,)) for i in range(100)]
+    assert torch.equal(whole.logits, torch.cat([o.logits for o in ones]))
+    assert torch.equal(whole.taps[1], torch.cat([o.taps[1] for o in ones]))
+    uneven = [m(tokens[a:b], c3).logits for a, b in ((0, 7), (7, 40), (40, 75), (75, 100))]
+    assert torch.equal(whole.logits, torch.cat(uneven))
+    assert c1.length == c2.length == c3.length == 100
+    assert torch.equal(c1.k, c2.k) and torch.equal(c1.v, c2.v) and torch.equal(c1.k, c3.k)
+    last = m(tokens, m.new_cache(128), logit_rows=slice(-1, None)).logits
+    assert torch.equal(last, whole.logits[-1:])
+    prefill_route("rows")  # another route leads: the SDPA chunks again
+    assert m.prefill_chunk() == PREFILL_CHUNK
+    f = tiny_model(64, fmt="float32").model  # no fused blocks: the SDPA chunks whatever the route
+    prefill_route("fused")
+    assert f.prefill_chunk() == PREFILL_CHUNK
 
 
 def test_context_overflow_is_a_clear_error():

@@ -25,7 +25,7 @@ Which route a forward takes (S = tokens in the pass):
 | fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
 | row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_masked` in C where built, else torch per row | the format's kernel |
 | SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (block types: gq_gemm on x86 builds) |
-| chunked prefill | causal S > PREFILL_CHUNK on the CPU | as SDPA, PREFILL_CHUNK tokens at a time | as SDPA |
+| chunked prefill | causal S > prefill_chunk() on the CPU | ROW_WISE_MAX rows a pass, fused, where the "fused" prefill route leads; else PREFILL_CHUNK, SDPA | as that route |
 
 Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it
 is scored alone or with drafted tokens, and a tree node's whether it is scored in the tree or on its
@@ -47,6 +47,7 @@ from ..errors import SpeculantError
 from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
+from .formats.ggml import prefill_routes
 
 
 # Causal passes of up to this many tokens (decoding, speculative verification) attend row by row,
@@ -54,10 +55,11 @@ from .formats.base import SHORT_PASS_MAX, QLinear
 # use one batched attention call.
 ROW_WISE_MAX = SHORT_PASS_MAX
 
-# Longer causal passes (prompts) on the CPU go through in chunks of this many tokens: a chunk's
-# activations stay in L2 (measured with the earlier int4 AMX kernel, 1.5B, 1024-token prompt: 3.2 s in
-# chunks of 384 vs 4.4 s whole; chunks of 256: 3.3 s, 512: 3.9 s), and the activations of a long prompt
-# never need more memory than a chunk's.
+# Longer causal passes (prompts) on the CPU go through in chunks of this many tokens where they take the
+# SDPA route: a chunk's activations stay in L2 (measured with the earlier int4 AMX kernel, 1.5B, 1024-token
+# prompt: 3.2 s in chunks of 384 vs 4.4 s whole; chunks of 256: 3.3 s, 512: 3.9 s), and the activations of a
+# long prompt never need more memory than a chunk's. Where the fused route leads (prefill_routes), chunks are
+# short passes of ROW_WISE_MAX tokens instead.
 PREFILL_CHUNK = 384
 
 FINAL_HIDDEN = -1  # the taps id of the final normed hidden state (the lm_head's input)
@@ -224,8 +226,8 @@ class Transformer(nn.Module):
     ) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
-        if mask is None and S > PREFILL_CHUNK and tokens.device.type == "cpu":
-            return self._chunked(tokens, cache, positions, taps, logit_rows, head)
+        if mask is None and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
+            return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
         if positions is None:
             positions = torch.arange(start, end, device=tokens.device)
         tree = mask is not None and tuple(mask.shape) == (S, S)
@@ -261,15 +263,22 @@ class Transformer(nn.Module):
             h = rms_norm(x if logit_rows is None else x[logit_rows], self.norm, self.cfg.norm_eps)
         return Output((head or self.lm_head)(h), tapped)
 
+    def prefill_chunk(self) -> int:
+        """Tokens per pass of a long causal pass on the CPU: short passes through the fused blocks where
+        that route leads this CPU's prefill routes (formats/ggml.py: prefill_routes), else PREFILL_CHUNK."""
+        if prefill_routes()[0] == "fused" and self.fused_blocks() is not None:
+            return ROW_WISE_MAX
+        return PREFILL_CHUNK
+
     def _chunked(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, taps: tuple[int, ...],
-                 logit_rows: slice | Tensor | None, head: QLinear | None) -> Output:
-        """A long causal pass as consecutive passes of at most PREFILL_CHUNK tokens (logit_rows ascending)."""
+                 logit_rows: slice | Tensor | None, head: QLinear | None, chunk: int) -> Output:
+        """A long causal pass as consecutive passes of at most `chunk` tokens (logit_rows ascending)."""
         S = tokens.shape[0]
         rows = None if logit_rows is None else torch.arange(S, device=tokens.device)[logit_rows]
         logits: list[Tensor] = []
         tapped: dict[int, list[Tensor]] = {}
-        for s0 in range(0, S, PREFILL_CHUNK):
-            s1 = min(s0 + PREFILL_CHUNK, S)
+        for s0 in range(0, S, chunk):
+            s1 = min(s0 + chunk, S)
             lr: slice | Tensor | None = None
             if rows is not None:
                 sel = rows[(rows >= s0) & (rows < s1)] - s0

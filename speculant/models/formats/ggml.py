@@ -10,9 +10,12 @@ K-quant (Q2_K .. Q6_K) and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-
 the file's pages under them are released. A layer repacks on its first use (`GGMLLinear.tiles`): the blocks
 at load (load_model builds the fused block loop), an output layer in its first pass with logits.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
-Longer passes (prompt prefill) take the best of `prefill_routes()`: the block types an integer GEMM with
-an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with AMX, weights
-dequantized a chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes' kernel.
+Prompts take the best of `prefill_routes()`: on x86 builds without AMX, passes of SHORT_PASS_MAX rows
+through the fused block loop (Transformer.forward; the short passes' kernel), so a layer sees no longer pass;
+otherwise, and for a layer called with more rows (an output layer scoring a whole prompt), the block types
+an integer GEMM with an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with
+AMX, weights dequantized a chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes'
+kernel.
 """
 
 from __future__ import annotations
@@ -122,24 +125,31 @@ def ggml_available() -> bool:
     return True
 
 
-PREFILL_ROUTES = ("gemm", "bf16", "rows")
+PREFILL_ROUTES = ("fused", "gemm", "bf16", "rows")
+LINEAR_ROUTES = PREFILL_ROUTES[1:]  # the routes of one layer's long pass ("fused" is the whole model's)
 
 
 @functools.cache
 def prefill_routes() -> tuple[str, ...]:
-    """How passes of more than SHORT_PASS_MAX rows (prompts) may multiply GGML weights on this CPU, best first.
+    """How prompts may multiply GGML weights on this CPU, best first.
 
+    "fused": the prompt as passes of SHORT_PASS_MAX rows through the fused block loop (blocks.c, x86 builds;
+    Transformer.forward chunks it), the short passes' kernel and row-wise attention: on an AMD EPYC Zen 4,
+    AVX-512 build, 1.5B / 0.5B draft, 64 tokens 1.18x / 1.45x gq_gemm's speed, 1024 tokens 1.07x / 1.11x;
+    AVX2 build 1.03-1.12x / 1.08-1.13x (scripts/prefill_routes.py; README, "Prefill routes").
     "gemm": gq_gemm (gq_gemm.h; the x86 builds, the block types gq_gemm_type accepts), the blocks as they are,
-    one output per lane. "bf16": weights dequantized a chunk at a time into bf16 and multiplied by oneDNN (AVX512-BF16, or
-    AMX, which outruns any int8 kernel here: there it comes first). "rows": gq_matmul, as short passes.
+    one output per lane, for longer passes of one layer. "bf16": weights dequantized a chunk at a time into
+    bf16 and multiplied by oneDNN (AVX512-BF16, or AMX, which outruns any int8 kernel here: there it comes
+    first). "rows": gq_matmul, as short passes.
     $SPECULANT_PREFILL puts one first (int8 = rows, its old name) where this CPU runs it."""
     flags = native.cpu_flags()
-    ok = {"gemm": ggml_available() and native.gq_library().gq_isa() >= 1,
+    x86 = ggml_available() and native.gq_library().gq_isa() >= 1
+    ok = {"fused": x86, "gemm": x86,
           "bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags, "rows": True}
-    order = ["bf16", "gemm", "rows"] if "amx_bf16" in flags else ["gemm", "bf16", "rows"]
+    order = ["bf16", "fused", "gemm", "rows"] if "amx_bf16" in flags else ["fused", "gemm", "bf16", "rows"]
     want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
     if want and want not in ok:
-        raise SpeculantError(f"SPECULANT_PREFILL must be one of gemm, bf16, rows; got {want!r}")
+        raise SpeculantError(f"SPECULANT_PREFILL must be one of {', '.join(PREFILL_ROUTES)}; got {want!r}")
     if want:
         order.remove(want)
         order.insert(0, want)
@@ -246,7 +256,8 @@ class GGMLLinear(QLinear):
         y = torch.empty(M, self.out_features, dtype=torch.float32)
         if not M:  # no rows (a prefill that wants no logits): nothing to multiply, nothing to repack
             return y
-        route = "rows" if M <= SHORT_PASS_MAX else next(r for r in prefill_routes() if r != "gemm" or self._gemm)
+        route = "rows" if M <= SHORT_PASS_MAX else next(
+            r for r in prefill_routes() if r in LINEAR_ROUTES and (r != "gemm" or self._gemm))
         table = self.table
         if route == "bf16":
             return self._forward_bf16(x)
