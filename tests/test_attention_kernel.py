@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speculant.models import native
-from speculant.models.cache import KV_DTYPES, q8_0_rows, q8_0_values
+from speculant.models.cache import KV_DTYPES, hadamard, q8_0_dequantized, q8_0_rows, q8_0_values
 from speculant.models.fused import bind_tree_kernels
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the x86 kernels need AVX2 and gcc")
@@ -145,15 +145,21 @@ def test_a_rows_output_is_the_same_alone_or_with_others(H, Hkv, hd, kv):
 
 def test_a_q8_0_cache_stores_the_float32_rows_as_torchs_quantizer_does():
     """The rows a pass writes to a q8_0 cache are q8_0_rows of those it writes to a float32 one, bit for bit (so the
-    C path and torch's cache.write store the same bytes): scales across magnitudes, an all-zero block, halves that
-    round to even, fp16-subnormal scales; other slots untouched."""
+    C path and torch's cache.write store the same bytes): the same Walsh-Hadamard butterflies, then the same blocks
+    for scales across magnitudes, an all-zero block, halves that round to even, fp16-subnormal scales; other slots
+    untouched. The special blocks are made in the rotated space: a value vector hadamard(y) / 128 rotates back to
+    y exactly (small dyadic values: every butterfly sum is exact)."""
     H, Hkv, hd, start, S = 12, 2, 128, 40, 5
     qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=9)
     qkv = qkv * torch.logspace(-4, 3, S)[:, None]
-    v0 = (H + Hkv) * hd  # row 0's first value vector: block 0 all zero; block 1 amax 127, so d = 1 and halves
-    qkv[0, v0:v0 + 32] = 0  # are ties; block 2 under fp16's normal range (d < 2^-14)
-    qkv[0, v0 + 32:v0 + 64] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])
-    qkv[0, v0 + 64:v0 + 96] = torch.linspace(-1e-4, 1e-4, 32)
+    v0 = (H + Hkv) * hd  # the first value vector of a row
+    y = torch.zeros(2, hd)  # row 0: block 0 all zero; block 1 amax 127, so d = 1 and halves are ties
+    y[0, 32:64] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])
+    y[0, 64:] = torch.arange(64.0) - 32
+    y[0, 64], y[0, 96] = 127.0, -127.0  # blocks 2, 3: d = 1, integers kept exactly
+    y[1] = (torch.arange(hd) % 201 - 100) * 2.0 ** -20  # row 1: every scale under fp16's normal range (d < 2^-14)
+    qkv[:2, v0:v0 + hd] = hadamard(y) / hd
+    assert torch.equal(hadamard(qkv[:2, v0:v0 + hd]), y)
     for _, lib in libraries():
         _, k32, v32 = attend(lib, qkv, kc, vc, cos, sin, start, H, Hkv)
         _, k8, v8 = attend(lib, qkv, q8_0_rows(kc), q8_0_rows(vc), cos, sin, start, H, Hkv)
@@ -161,9 +167,13 @@ def test_a_q8_0_cache_stores_the_float32_rows_as_torchs_quantizer_does():
         assert torch.equal(k8[:, new], q8_0_rows(k32[:, new])) and torch.equal(v8[:, new], q8_0_rows(v32[:, new]))
         assert torch.equal(k8[:, :start], q8_0_rows(kc[:, :start])) and \
             torch.equal(v8[:, start + S:], q8_0_rows(vc[:, start + S:]))
-        got = q8_0_values(v8[:, start])[0]
-        assert torch.equal(got[:32], torch.zeros(32))
-        assert got[34:64].tolist() == [float(round(k + 0.5)) for k in range(-15, 15)]  # Python rounds to even too
-        assert 0 < got[64:96].abs().max() < 2e-4
+        got = q8_0_dequantized(v8[0, start:start + 2])  # the blocks as stored, in the rotated space
+        assert torch.equal(got[0, :32], torch.zeros(32))
+        assert got[0, 34:64].tolist() == [float(round(k + 0.5)) for k in range(-15, 15)]  # Python rounds to even too
+        assert torch.equal(got[0, 64:], y[0, 64:])
+        scales = v8[0, start + 1].view(-1, 34)[:, :2].contiguous().view(torch.float16).float()
+        assert (0 < scales).all() and (scales < 2.0 ** -14).all() and 0 < got[1].abs().max() < 2e-4
     err = (q8_0_values(v8[:, new]) - v32[:, new]).abs().max() / v32[:, new].abs().max()
-    assert 0 < err < 1 / 250  # a q8_0 value is within half a step (amax / 254) of its block's largest
+    # a rotated value is within half a step (its block's amax / 254); rotated back, the steps of a row's blocks mix
+    # (measured here: 0.0049 of the largest value)
+    assert 0 < err < 1 / 100

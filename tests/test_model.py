@@ -213,8 +213,9 @@ def test_int8_tracks_float32():
 
 
 @pytest.mark.parametrize("fmt", ["float32", "q8_0"])
-@pytest.mark.parametrize("kv, row_bytes, tol", [("f16", 64, (5e-3, 0.05)), ("q8_0", 34, (0.04, 0.1))])  # measured:
-# f16 0.0016 / 0.036 of the logits' range, q8_0 0.022 / 0.061 (float32 / q8_0 weights)
+@pytest.mark.parametrize("kv, row_bytes, tol", [("f16", 64, (5e-3, 0.05)), ("q8_0", 34, (0.05, 0.1))])  # measured:
+# f16 0.0016 / 0.036 of the logits' range, q8_0 0.035 / 0.062 (float32 / q8_0 weights; 0.022 / 0.061 before the
+# q8_0 cache's rotation: random keys have no outlier channel for it to spread, and it mixes the blocks' errors)
 def test_a_smaller_cache_saves_memory_and_tracks_float32(fmt, kv, row_bytes, tol):
     """--kv-dtype f16: 2 bytes a value; q8_0: 34 bytes a block of 32. The logits of a prompt and of decoding after
     it stay close to a float32 cache's (each key and value rounded once: relative error <= 2^-11 for f16, half a

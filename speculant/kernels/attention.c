@@ -21,10 +21,10 @@
  *   kc, vc   [Hkv][max_len][row] this layer's cache, rows of hd values in the cache type kv (KV_F32, KV_F16,
  *                               KV_Q8); rows go to slots start .. start + S - 1. float16: rounded to nearest
  *                               even, as torch's .half(). q8_0: llama.cpp's block_q8_0, per 32 values an fp16
- *                               scale d then 32 int8 q (34 bytes), quantized as models/cache.py's q8_0_rows,
- *                               bit for bit. Every read widens a value exactly (d * q is exact in float32),
- *                               so all the arithmetic below is float32 whatever the type, and a q8_0 cache
- *                               gives the bits a float32 cache holding its dequantized values would.
+ *                               scale d then 32 int8 q (34 bytes) of the row rotated (hadamard below),
+ *                               quantized as models/cache.py's q8_0_rows, bit for bit. Every read widens a
+ *                               value exactly (d * q is exact in float32), so all the arithmetic below is
+ *                               float32 whatever the type.
  *   mask [S][S] uint8 or NULL   NULL: causal (row s attends to slots 0 .. start + s)
  *   out  [S][H hd]
  */
@@ -299,6 +299,43 @@ static void attend_q8(const float *q, int G, const void *kA, const void *vA, int
     attend_group(q, G, kA, vA, LA, kB, vB, L, hd, scale, p, o, KV_Q8, dq);
 }
 
+/* q8_0 caches hold each head's keys and values rotated by a Walsh-Hadamard matrix (models/cache.py: hadamard), as
+ * llama.cpp's quantized caches do: it spreads a channel far larger than its row's others (the 1.5B's layer-0 keys
+ * reach ~300 beside values near 1) over the whole block, so the block's scale no longer drowns the small ones.
+ * The butterflies over blocks of rot_size(hd) values, unnormalised (entries +-1; H H = n I), in cache.py's order,
+ * so both store the same bytes; q is rotated and scaled by 1 / n (exact) before the scores, q . k unchanged, and
+ * the output, a sum of rotated values, is rotated back the same way. */
+static int rot_size(int64_t hd) { const int64_t n = hd & -hd; return n > 128 ? 128 : (int)n; }
+
+/* Stage h (1, 2 or 4) of the butterflies within 8 values: lane j gets x[j] + x[j + h] where j's bit h is clear,
+ * x[j - h] - x[j] where it is set (a + b and a - b, as the scalar loop computes them) */
+AI __m256 butterfly8(__m256 v, int h) {
+    const __m256 s = h == 1 ? _mm256_permute_ps(v, 0xb1) : h == 2 ? _mm256_permute_ps(v, 0x4e)
+                                                            : _mm256_permute2f128_ps(v, v, 1);
+    const __m256 sum = _mm256_add_ps(v, s), dif = _mm256_sub_ps(s, v);
+    return h == 1 ? _mm256_blend_ps(sum, dif, 0xaa) : h == 2 ? _mm256_blend_ps(sum, dif, 0xcc)
+                                                             : _mm256_blend_ps(sum, dif, 0xf0);
+}
+
+static void hadamard(float *x, int64_t hd, float post) {
+    const int n = rot_size(hd); /* >= 32: q8_0 heads hold whole 32-value blocks */
+    for (int64_t i0 = 0; i0 < hd; i0 += n) {
+        float *y = x + i0;
+        for (int i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, butterfly8(butterfly8(butterfly8(_mm256_loadu_ps(y + i), 1), 2), 4));
+        for (int h = 8; h < n; h *= 2)
+            for (int i = 0; i < n; i += 2 * h)
+                for (int j = i; j < i + h; j += 8) {
+                    const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + h);
+                    _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
+                    _mm256_storeu_ps(y + j + h, _mm256_sub_ps(a, b));
+                }
+    }
+    if (post != 1.0f)
+        for (int64_t i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(post)));
+}
+
 /* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8 (of 32 for q8_0). */
 int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
                      void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv,
@@ -309,6 +346,8 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
     for (int64_t s = 0; s < S; s++) {
         float *row = qkv + s * width;
         for (int64_t h = 0; h < H + Hkv; h++) rope(row + h * hd, cos + s * half, sin + s * half, (int)half);
+        if (kv == KV_Q8) /* q / n, k and v rotated (above) */
+            for (int64_t h = 0; h < H + 2 * Hkv; h++) hadamard(row + h * hd, hd, h < H ? 1.0f / rot_size(hd) : 1.0f);
         for (int64_t h = 0; h < Hkv; h++) {
             store_row(kc8 + (h * max_len + start + s) * rb, row + (H + h) * hd, hd, kv);
             store_row(vc8 + (h * max_len + start + s) * rb, row + (H + Hkv + h) * hd, hd, kv);
@@ -364,6 +403,8 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
         }
     }
     free(scratch);
+    if (kv == KV_Q8) /* the outputs back from the rotated values */
+        for (int64_t r = 0; r < S * H; r++) hadamard(out + r * hd, hd, 1.0f / rot_size(hd));
     return 0;
 }
 
