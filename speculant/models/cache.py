@@ -10,9 +10,9 @@ value once as it is written (to nearest even); q8_0 quantizes each 32 values of 
 block_q8_0 (an fp16 scale and 32 int8, 8.5 bits a value: q8_0_rows) after rotating the row by a Walsh-Hadamard
 matrix (hadamard), a quarter of float32's memory and of what one-token decoding streams of it. Every read widens
 exactly (q8_0: d * q is exact in float32), so every computation on the cache stays float32 (a q8_0 cache's
-queries and outputs are rotated to match). Speculative output is still the target's: `ar` and every method read the same rounded cache. float16
-is the default (llama.cpp's too) except beside float32 weights, the reference, which keep a float32 cache
-(default_kv_dtype).
+queries and outputs are rotated to match). Speculative output is still the target's: `ar` and every method
+read the same rounded cache. float16 is the default (llama.cpp's too) except beside float32 weights, the
+reference, which keep a float32 cache (default_kv_dtype).
 """
 
 from __future__ import annotations
