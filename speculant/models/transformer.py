@@ -226,7 +226,7 @@ class Transformer(nn.Module):
     ) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
-        if mask is None and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
+        if mask is None and S > ROW_WISE_MAX and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
             return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
         if positions is None:
             positions = torch.arange(start, end, device=tokens.device)
