@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from speculant.cli import DEFAULT_DRAFT, DEFAULT_TARGET, load_engine
+from speculant.cli import DEFAULT_DRAFT, DEFAULT_TARGET, build_parser, load_engine
 from speculant.engine import Chunk, Done, GenerationConfig
 
 TURNS = ["Write a Python function that parses a CSV file into a list of dicts.",
@@ -42,10 +42,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    args = argparse.Namespace(model=a.model, draft=a.draft, method=a.method, dtype=None, draft_dtype=None,
-                              draft_tokens=None, draft_schedule=None, max_draft_tokens=None, min_confidence=None,
-                              draft_vocab=None, draft_context=None, hybrid_check=None, ngram=None, ngram_min=None,
-                              threads=a.threads, device="cpu", no_progress=True)
+    # the CLI's own options (all defaults but these), so the script follows whatever load_engine reads
+    argv = ["generate", "x", "--model", a.model, "--draft", a.draft, "--method", a.method, "--no-progress"]
+    args = build_parser().parse_args(argv + (["--threads", str(a.threads)] if a.threads else []))
     engine = load_engine(args)
     tok = engine.tokenizer
     gen = GenerationConfig(max_new_tokens=a.max_tokens)

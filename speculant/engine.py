@@ -247,6 +247,7 @@ class Engine:
         if self._share is not None:
             self._share.start()
         pending = first
+        decoded = [first]  # the tokens after the prompt: all but the last (pending) end up in the cache
         ready = getattr(drafter, "ready", None)  # drafters that defer their prompt's prefill (draft_model.py)
         deferred = 0.0
         while not out.finished:
@@ -271,6 +272,7 @@ class Engine:
                 r = tree_round(model, cache, sampler, pending, draft, taps)
                 new, kd, n = r.tokens, draft.size, len(r.tokens) - 1
                 sampler.push(new)
+                decoded += new
                 drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
                 self._finish_round(stats, governor, None, paused, ta, tb, kd, n)  # trees keep their node count
                 yield from out.push(new, drafted=n, proposed=kd)
@@ -292,6 +294,7 @@ class Engine:
             n = read[0]
             new = read[1 : n + 2]
             sampler.push(new)
+            decoded += new
             cache.rollback(base + 1 + n)
             if drafter is not None:
                 hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
@@ -301,6 +304,10 @@ class Engine:
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode - deferred
+        # a conversation's next prompt may reuse them (prefix.py)
+        kept.target.keep_decoded(decoded[:-1])
+        if hasattr(drafter, "finish"):
+            drafter.finish(decoded[:-1])
         stats.prefill_seconds += deferred
         stats.generated_tokens = out.count
         yield from out.flush()

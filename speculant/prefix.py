@@ -15,6 +15,11 @@ exactly those rows in exactly those passes, so everything after them is computed
 without the cache. The tokens a generation produced are not reused (decoding computed their
 keys/values in other passes): in a chat they are the last answer, prefilled again with the new
 user message.
+
+Where the model's prompts take batch-invariant passes (`Transformer.batch_invariant_prompts`: the fused
+route, x86 builds without AMX), every row comes out as decoding it token by token would, however the
+passes are cut. Then the cache reuses any prefix the two prompts share, and the tokens the last
+generation decoded count too (`keep_decoded`): the next turn of a chat prefills only its new message.
 """
 
 from __future__ import annotations
@@ -91,13 +96,17 @@ class KeptPrefix:
         read the last row, as DraftModelDrafter does.
         """
         cache = self.cache_for(max_len)
-        starts = pass_starts(ids, self.specials)
-        ends = starts[1:] + [len(ids)]
-        reused = 0
-        if self.reuse:
-            limit = min(common_prefix(self.tokens, ids), cache.length, len(ids) - 1 if logits else len(ids))
+        invariant = self.model.batch_invariant_prompts()
+        limit = min(common_prefix(self.tokens, ids), cache.length, len(ids) - 1 if logits else len(ids))
+        if invariant:  # any shared prefix; passes of PASS_MAX only so that an interrupted prefill keeps some
+            reused = limit if self.reuse else 0
+            starts = list(range(reused, len(ids), PASS_MAX)) or [reused]
+        else:
+            starts = pass_starts(ids, self.specials)
             # The last pass start (or prompt end) at most `limit` that both prompts' passes share.
-            reused = max((s for s in starts + [len(ids)] if s <= limit and s in self.starts), default=0)
+            reused = max((s for s in starts + [len(ids)] if s <= limit and s in self.starts), default=0) \
+                if self.reuse else 0
+        ends = starts[1:] + [len(ids)]
         cache.rollback(reused)
         self.tokens, self.starts = ids[:reused], {s for s in starts if s <= reused}
         device = self.model.device
@@ -117,6 +126,14 @@ class KeptPrefix:
             self.starts.update((s, e))
         return PrefillResult(out.logits if logits and out is not None else None, reused,
                              {t: torch.cat(h) for t, h in hidden.items()} if taps else None)
+
+    def keep_decoded(self, tokens: list[int]) -> None:
+        """Count `tokens`, decoded after the prefilled prompt, as kept: the cache holds their keys/values in
+        the slots after it. Only where prompts take batch-invariant passes (the module docstring), so the
+        rows are those a prefill would write; elsewhere decoding's rows differ and are not reused."""
+        if (self.reuse and tokens and self.cache is not None and self.model.batch_invariant_prompts()
+                and self.cache.length == len(self.tokens) + len(tokens)):
+            self.tokens = self.tokens + tokens
 
     def forget(self) -> None:
         self.tokens, self.starts = [], set()

@@ -1,6 +1,7 @@
 """The prompt cache: a conversation that goes on reuses its prefill, and the output does not change."""
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
@@ -148,9 +149,12 @@ CHAT = ["Write a Python function that checks whether a number is prime.",
 @pytest.mark.real
 @pytest.mark.parametrize("method", ["ar", "draft", "hybrid"])
 def test_real_chat_with_the_prompt_cache_equals_output_without(real_model_cache, method):
-    """SmolLM2 in its GGUF format (whose kernels' last bits depend on how a prompt is cut into passes)
-    drafting for itself: a 4-turn chat gives the same greedy tokens with the cache as without it."""
+    """SmolLM2 in its GGUF format drafting for itself: a 4-turn chat gives the same greedy tokens with the cache
+    as without it. Where its prompts are batch-invariant (the fused route) each turn reuses everything the
+    last one held that the new prompt starts with, the answer included; elsewhere the kernels' last bits
+    depend on how a prompt is cut into passes, and it reuses up to a shared pass start."""
     model = real_model_cache("smollm2-135m-instruct", "gguf")
+    invariant = model.model.batch_invariant_prompts()
     engine = Engine(model, model if method != "ar" else None, MethodConfig(method))
     tok = engine.tokenizer
     cache = engine.prompt_cache()
@@ -160,8 +164,90 @@ def test_real_chat_with_the_prompt_cache_equals_output_without(real_model_cache,
     for text in CHAT:
         messages.append({"role": "user", "content": text})
         ids = tok.encode(tok.apply_chat_template(messages), add_special=False)
+        held = list(cache.target.tokens)
         with_cache = engine.generate(ids, gen, cache=cache)
         assert with_cache.token_ids == engine.generate(ids, gen).token_ids
+        if invariant:
+            assert with_cache.stats.cached_prompt_tokens == min(common_prefix(held, ids), len(ids) - 1)
+            # the prompt, then the answer but its last token (or all of it, where a stop token ended it unemitted)
+            answer = cache.target.tokens[len(ids):]
+            assert cache.target.tokens[:len(ids)] == ids and answer == with_cache.token_ids[:len(answer)]
+            assert len(answer) >= len(with_cache.token_ids) - 1
         reused.append(with_cache.stats.cached_prompt_tokens / len(ids))
         messages.append({"role": "assistant", "content": with_cache.text})
     assert reused[0] == 0 and min(reused[1:]) > 0.3, reused
+
+
+@pytest.fixture
+def fused_pair(prefill_route):
+    """A tiny GGML (q8_0) target and draft on the fused prefill route: batch-invariant prompts."""
+    prefill_route("fused")
+    target = tiny_model(64, seed=3, fmt="q8_0", dim=64, heads=2, kv_heads=1, logit_scale=3.0, eos=SEP, context=512,
+                        kv_dtype="f16")
+    draft = tiny_model(64, seed=4, fmt="q8_0", dim=64, heads=2, kv_heads=1, layers=1, logit_scale=3.0, eos=SEP,
+                       context=512)
+    if not target.model.batch_invariant_prompts():
+        pytest.skip("the fused blocks need the x86 kernels")
+    return target, draft
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("method", ["ar", "draft", "hybrid", "draft_tree"])
+def test_batch_invariant_prompts_reuse_the_whole_conversation(fused_pair, method, temperature):
+    """On the fused route the cache reuses every token the conversation's last turn held: its prompt and
+    the answer decoded after it (all but the answer's last token, never fed), not only up to a pass start;
+    the draft model's cache keeps its committed context likewise. Each turn's output equals a fresh run's,
+    and the kept keys/values (target's and draft's) equal a fresh prefill's bit for bit."""
+    target, draft = fused_pair
+    dl, off = DraftLengthConfig(3, "heuristic", 6), GovernorConfig("off")
+    engine = Engine(target, None if method == "ar" else draft, MethodConfig(method, dl, governor=off))
+    gen = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature, seed=5), ignore_eos=True)
+    cache = engine.prompt_cache()
+    draft_reused: list[int] = []
+    if cache.draft is not None:  # what the draft's prefills reuse
+        prefill = cache.draft.prefill
+        cache.draft.prefill = lambda *a, **kw: draft_reused.append((r := prefill(*a, **kw)).reused) or r
+    prompt: list[int] = []
+    lengths: list[int] = []  # of each turn's prompt
+    expected = 0
+    for turn, message in enumerate(conversation()):
+        prompt = prompt + message
+        with_cache = engine.generate(prompt, gen, cache=cache)
+        assert with_cache.token_ids == engine.generate(prompt, gen).token_ids, (method, turn)
+        assert with_cache.stats.cached_prompt_tokens == expected, (method, turn)
+        assert cache.target.tokens == prompt + with_cache.token_ids[:-1]
+        expected = len(prompt) + len(with_cache.token_ids) - 1
+        if cache.draft is not None:  # its window, then the answer as far as the draft committed it
+            start = window_start(len(prompt), DRAFT_CONTEXT.get(method, 0))
+            held = cache.draft.tokens
+            assert held == (prompt + with_cache.token_ids)[start:start + len(held)]
+            assert len(held) >= len(prompt) - start  # the window at least (the answer's last rounds may be unfed)
+        lengths.append(len(prompt))
+        prompt = prompt + with_cache.token_ids
+    kept = [cache.target] + ([cache.draft] if cache.draft is not None else [])
+    for k in kept:
+        fresh = KeptPrefix(k.model, frozenset(), reuse=False)
+        fresh.prefill(k.tokens, 512, logits=False)
+        n = len(k.tokens)
+        assert torch.equal(fresh.cache.k[:, :, :n], k.cache.k[:, :, :n])
+        assert torch.equal(fresh.cache.v[:, :, :n], k.cache.v[:, :, :n])
+    if method == "draft":  # the whole prompt is its window: each turn reuses the last prompt and (part of) its answer
+        assert len(draft_reused) == len(lengths) and draft_reused[0] == 0
+        assert all(r > n for r, n in zip(draft_reused[1:], lengths)), (draft_reused, lengths)
+
+
+def test_decoded_tokens_are_kept_only_where_prompts_are_batch_invariant(fused_pair, prefill_route):
+    """Another prefill route (SDPA chunks with gq_gemm) computes a prompt's rows otherwise than decoding
+    does: the cache then keeps the prompt alone and reuses up to a shared pass start, as before."""
+    target, _ = fused_pair
+    prefill_route("gemm")
+    assert not target.model.batch_invariant_prompts()
+    engine = Engine(target)
+    cache = engine.prompt_cache()
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    first = conversation()[0]
+    out = engine.generate(first, gen, cache=cache)
+    assert cache.target.tokens == first
+    again = engine.generate(first + out.token_ids + [SEP, 4], gen, cache=cache)
+    shared = len(first) if out.token_ids[0] == SEP else max(i for i, t in enumerate(first) if t == SEP)
+    assert again.stats.cached_prompt_tokens == shared

@@ -52,7 +52,9 @@ class Drafter(Protocol):
         Tap drafters are called `start(prompt, hidden=h)`, h[tap] [R, D] for prompt[-R:]: R is
         len(prompt) unless a prompt cache reused a prefix (whose hidden states were never computed
         again); R >= 1. A drafter may defer work on the prompt to its first draft; then it has
-        `ready()`, which the engine calls before it times a speculative round."""
+        `ready()`, which the engine calls before it times a speculative round. A drafter with a prompt
+        cache of its own has `finish(decoded)`, which the engine calls when a generation ends with the
+        tokens after the prompt whose keys/values the target's cache kept (prefix.py)."""
 
     def propose(self, pending: int, k: int) -> Draft | DraftTree:
         """Up to k tokens predicted to follow the committed context + `pending`: a chain (`Draft`) or a

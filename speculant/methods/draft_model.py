@@ -101,12 +101,14 @@ class DraftModelDrafter:
         self.forwards = 0  # draft forwards so far (hybrid weighs its rounds by them)
         self.waiting: list[int] | None = None  # before the first draft: the prompt window
         self.after: list[int] = []  # before the first draft: the tokens committed after the window
+        self.last: int | None = None  # the window's last token (the cache's first unkept slot), once prefilled
 
     def start(self, prompt: list[int]) -> None:
         """Take the prompt; its prefill waits for the first draft. Where the governor runs plain rounds
         only (speculation measured slower in the engine's earlier generations), it is never paid: on
         Spec-Bench's long prompts it was up to a tenth of a plain generation's time (stop 25's note)."""
         self.waiting, self.after = list(prompt[window_start(len(prompt), self.cfg.context or 0) :]), []
+        self.last = None
 
     def ready(self) -> None:
         """Run the deferred prefill now (the engine calls this before it times a speculative round: the
@@ -121,6 +123,7 @@ class DraftModelDrafter:
         self.kept.prefill(prompt[:-1], self.max_len, logits=False, rows=self.rows)
         self.committed = self.cache.length
         self.unfed = prompt[-1:] + self.after
+        self.last = prompt[-1]
 
     def propose(self, pending: int, k: int, guess: Sequence[int] = ()) -> Draft:
         """Up to k tokens after `pending`. A `guess` of what follows (prompt lookup's) is scored in the
@@ -177,6 +180,16 @@ class DraftModelDrafter:
         # Cache now holds: committed, unfed, pending, and all drafts but (at least) the last.
         draft = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=device)
         return Draft(draft, Dist.cat(qs) if qs else None)
+
+    def finish(self, decoded: list[int]) -> None:
+        """The generation ended; `decoded` are its tokens after the prompt that the target's cache holds. The
+        committed context in the draft's cache (its window, then as many of them) counts as kept for the next
+        prompt where the draft's prompts are batch-invariant (KeptPrefix.keep_decoded)."""
+        if self.waiting is not None or self.last is None:  # the window was never prefilled
+            return
+        self.cache.rollback(self.committed)  # the drafts past the committed context
+        context = [self.last] + decoded
+        self.kept.keep_decoded(context[: self.committed - len(self.kept.tokens)])
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         """Token ids as the draft's input [len(ids)]. The target may emit an id of its padding rows (its

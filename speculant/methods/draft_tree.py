@@ -65,6 +65,9 @@ class DraftTreeDrafter:
     def ready(self) -> None:
         self.inner.ready()
 
+    def finish(self, decoded: list[int]) -> None:
+        self.inner.finish(decoded)
+
     def propose(self, pending: int, k: int) -> DraftTree:
         self.recorder.rows.clear()
         w = self.cfg.width

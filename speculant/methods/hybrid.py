@@ -102,6 +102,9 @@ class HybridDrafter:
     def ready(self) -> None:
         self.model.ready()
 
+    def finish(self, decoded: list[int]) -> None:
+        self.model.finish(decoded)
+
     def _reset(self) -> None:
         d = self.cfg.decay
         self.unchecked_yield = _Mean(d)  # tokens per round an unchecked guess gives (measured or counterfactual)

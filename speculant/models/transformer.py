@@ -270,6 +270,12 @@ class Transformer(nn.Module):
             return ROW_WISE_MAX
         return PREFILL_CHUNK
 
+    def batch_invariant_prompts(self) -> bool:
+        """Whether a prompt's passes compute each row as decoding it token by token would (the fused prefill
+        route): the keys/values of any prefix of a prompt, or of tokens decoded after it, are then those a
+        prefill of them would write, bit for bit (prefix.py reuses them)."""
+        return self.device.type == "cpu" and self.prefill_chunk() == ROW_WISE_MAX
+
     def _chunked(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, taps: tuple[int, ...],
                  logit_rows: slice | Tensor | None, head: QLinear | None, chunk: int) -> Output:
         """A long causal pass as consecutive passes of at most `chunk` tokens (logit_rows ascending)."""
