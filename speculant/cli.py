@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds from arrival after which a generation is cut (finish_reason length)")
     v.add_argument("--default-max-tokens", type=int, default=1024, help="max tokens for requests that set none")
     v.add_argument("--no-prompt-cache", action="store_true", help="prefill every prompt in full")
+    v.add_argument("--prompt-cache-slots", type=int, default=4, metavar="N",
+                   help="conversations whose prompt caches are kept at once (default 4)")
     v.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds a running generation may finish after SIGTERM before it is aborted")
 
@@ -300,8 +302,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     key = args.api_key if args.api_key is not None else os.environ.get("SPECULANT_API_KEY") or None
     model_id = args.model_id or (Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name)
+    # validated before the model loads
     cfg = ServerConfig(model_id, key, args.max_queue, args.max_body, args.request_timeout, args.default_max_tokens,
-                       not args.no_prompt_cache, args.shutdown_grace)  # validated before the model loads
+                       not args.no_prompt_cache, args.shutdown_grace, args.prompt_cache_slots)
     return serve(load_engine(args), cfg, args.host, args.port)
 
 

@@ -24,11 +24,12 @@ generation decoded count too (`keep_decoded`): the next turn of a chat prefills 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .errors import SpeculantError
 from .models import KVCache, Transformer
 
 PASS_MAX = 384  # rows per prefill pass at most (the transformer's own prefill chunk on the CPU)
@@ -153,3 +154,38 @@ class PromptCache:
         self.target.forget()
         if self.draft is not None:
             self.draft.forget()
+
+
+class PromptCachePool:
+    """Up to `slots` prompt caches for interleaved conversations (a server's clients). A prompt takes the
+    cache sharing the longest prefix with it where it continues that cache's conversation: the shared prefix
+    is the whole prompt (the same prompt again) or at least half of what the cache holds (the prompt goes
+    on from it). Else a new cache while there is room, else the least recently used one, whose holdings it
+    replaces: a new conversation that shares only a system prompt with another does not evict that one's
+    history while a slot is free. One generation at a time may use the pool."""
+
+    def __init__(self, new: Callable[[], PromptCache], slots: int) -> None:
+        if slots < 1:
+            raise SpeculantError(f"prompt cache slots must be >= 1, got {slots}")
+        self.new, self.slots = new, slots
+        self.caches: list[PromptCache] = []  # most recently used first
+
+    def take(self, ids: Sequence[int]) -> PromptCache:
+        """The cache for a prompt of `ids` (it becomes the most recently used)."""
+        best, most = None, 0
+        for i, c in enumerate(self.caches):
+            shared = common_prefix(c.target.tokens, ids)
+            if shared > most and (shared == len(ids) or 2 * shared >= len(c.target.tokens)):
+                best, most = i, shared
+        if best is not None:
+            cache = self.caches.pop(best)
+        elif len(self.caches) < self.slots:
+            cache = self.new()
+        else:
+            cache = self.caches.pop()
+        self.caches.insert(0, cache)
+        return cache
+
+    def forget(self) -> None:
+        for c in self.caches:
+            c.forget()

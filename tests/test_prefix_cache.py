@@ -10,7 +10,8 @@ from speculant.method import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, window_start
 from speculant.methods.hybrid import HYBRID_DRAFT_CONTEXT
-from speculant.prefix import PASS_MAX, KeptPrefix, common_prefix, pass_starts
+from speculant.errors import SpeculantError
+from speculant.prefix import PASS_MAX, KeptPrefix, PromptCachePool, common_prefix, pass_starts
 from speculant.sampling import SamplingConfig
 
 SEP = 7  # the tiny tokenizer's EOS: a special token, so prefill passes start at it (as at chat messages)
@@ -251,3 +252,43 @@ def test_decoded_tokens_are_kept_only_where_prompts_are_batch_invariant(fused_pa
     again = engine.generate(first + out.token_ids + [SEP, 4], gen, cache=cache)
     shared = len(first) if out.token_ids[0] == SEP else max(i for i, t in enumerate(first) if t == SEP)
     assert again.stats.cached_prompt_tokens == shared
+
+
+def test_a_pool_keeps_interleaved_conversations(fused_pair):
+    """Two conversations taking turns (a server's clients) over a shared system prompt: with two slots each
+    turn reuses its own conversation's prompt and answer; with one they evict each other down to the system
+    prompt. The output is the same either way."""
+    target, _ = fused_pair
+    engine = Engine(target)
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    system = [SEP, 1, 2, 3]
+    with pytest.raises(SpeculantError, match="slots"):
+        PromptCachePool(engine.prompt_cache, 0)
+    pool = PromptCachePool(engine.prompt_cache, 2)  # the choice alone, on holdings set by hand
+    a = pool.take([1, 2, 3])
+    a.target.tokens = [1, 2, 3, 4, 5, 6, 7, 8]  # a prompt and its answer
+    assert pool.take([1, 2, 3]) is a and pool.take([1, 2, 3, 4, 5, 6, 7, 8, 9]) is a  # the same again; goes on
+    b = pool.take([1, 2, 9])  # shares 2 of a's 8 tokens: a free slot instead
+    assert b is not a
+    b.target.tokens = [1, 2, 9, 9]
+    assert pool.take([5, 5]) is a and pool.caches[1] is b  # nothing shared, no room: the least recently used
+
+    def run(slots: int) -> tuple[list[list[int]], list[int], list[int]]:
+        pool = PromptCachePool(engine.prompt_cache, slots)
+        prompts = {"a": system + [5, 6, 7, 8, 9], "b": system + [9, 8, 7]}
+        outputs, reused, held = [], [], []
+        for who in ("a", "b", "a", "b", "a"):
+            cache = pool.take(prompts[who])
+            held.append(len(cache.target.tokens))
+            out = engine.generate(prompts[who], gen, cache=cache)
+            outputs.append(out.token_ids)
+            reused.append(out.stats.cached_prompt_tokens)
+            prompts[who] = prompts[who] + out.token_ids + [SEP, 4, 1 if who == "a" else 2]
+        return outputs, reused, held
+
+    two, one = run(2), run(1)
+    assert two[0] == one[0]
+    assert two[1][:2] == [0, 0] and one[1][:2] == [0, len(system)]  # b's first turn: a free slot, or a's
+    for turn in (2, 3, 4):  # each conversation's own last prompt and answer (but its last token)
+        assert two[1][turn] == two[2][turn] > len(system)
+        assert one[1][turn] == len(system)

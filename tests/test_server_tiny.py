@@ -241,3 +241,35 @@ def test_python_api_refuses_what_the_server_refuses():
             SamplingConfig(**kw)
     SamplingConfig(seed=(1 << 64) - 1).generator()  # the bounds themselves are fine
     SamplingConfig(seed=-(1 << 63)).generator()
+
+
+def test_clients_taking_turns_keep_their_prompt_caches(prefill_route):
+    """Two chats taking turns through the server: with two prompt cache slots each turn's prompt is served
+    from its own chat's cache (the last prompt and answer: usage's cached_tokens), with one they evict each
+    other. A tiny q8_0 target on the fused route, where the answers are reused too."""
+    from speculant.errors import SpeculantError
+
+    prefill_route("fused")
+    target = tiny_model(VOCAB, seed=1, fmt="q8_0", dim=64, heads=2, kv_heads=1, logit_scale=3.0, context=1024)
+    if not target.model.batch_invariant_prompts():
+        pytest.skip("the fused blocks need the x86 kernels")
+    target.tokenizer.chat_template = TEMPLATE
+    engine = Engine(target, method=MethodConfig("ar"), threads=1)
+    with pytest.raises(SpeculantError, match="slots"):
+        ServerConfig(MODEL, prompt_cache_slots=0)
+
+    def chats(slots: int) -> list[int]:
+        cached = []
+        with serving(engine, prompt_cache_slots=slots) as (url, _):
+            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            talks = {"a": [], "b": []}
+            for who, text in (("a", "t3 t4 t5"), ("b", "t9 t8"), ("a", "t6"), ("b", "t1 t2"), ("a", "t11")):
+                talks[who].append({"role": "user", "content": text})
+                r = c.chat.completions.create(model=MODEL, messages=talks[who], max_tokens=6, temperature=0)
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                talks[who].append({"role": "assistant", "content": r.choices[0].message.content})
+        return cached
+
+    two, one = chats(2), chats(1)
+    assert two[:2] == [0, 0] and min(two[2:]) > 8  # at least the chat's first prompt (5) and answer (6) but one
+    assert max(one[2:]) < 3  # the other chat's prompt starts alike ("t7 t2") and nothing more

@@ -229,15 +229,20 @@ def fidelity_logits(model: Transformer, ids: Sequence[int], chunks: int, ctx: in
                       for c in range(chunks)])
 
 
-def fidelity_text() -> str:
+def fidelity_text(long: bool = False) -> str:
     """Held-out text for fidelity (no benchmark prompt): Python source and English prose from the standard
-    library of the Python running this (textwrap.py and the documentation topics of pydoc_data)."""
+    library of the Python running this (textwrap.py and the documentation topics of pydoc_data): 5,000
+    characters of each (4 chunks of FIDELITY_CTX tokens), or with `long` about 40,000 (~20 chunks; its
+    first chunks differ from the short text's: textwrap.py goes on past 5,000 characters)."""
+    import shlex
     import textwrap
 
     from pydoc_data import topics
 
-    code = Path(textwrap.__file__).read_text()[:5000]
-    prose = topics.topics["assignment"][:5000]
+    if not long:
+        return Path(textwrap.__file__).read_text()[:5000] + "\n\n" + topics.topics["assignment"][:5000]
+    code = Path(textwrap.__file__).read_text() + "\n\n" + Path(shlex.__file__).read_text()[:1000]
+    prose = topics.topics["assignment"] + "\n\n" + topics.topics["compound"][:8500]
     return code + "\n\n" + prose
 
 

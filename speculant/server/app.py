@@ -42,6 +42,7 @@ class ServerConfig:
     default_max_tokens: int = 1024  # for requests that set no max_tokens (less where the context is shorter)
     prompt_cache: bool = True
     shutdown_grace: float = 10.0  # seconds a running generation may finish after SIGTERM
+    prompt_cache_slots: int = 4  # conversations whose prompt caches are kept at once (WorkerConfig)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -50,6 +51,8 @@ class ServerConfig:
             raise SpeculantError("request timeout must be > 0 and shutdown grace >= 0 seconds")
         if self.default_max_tokens < 1:
             raise SpeculantError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
+        if self.prompt_cache_slots < 1:
+            raise SpeculantError(f"prompt cache slots must be >= 1, got {self.prompt_cache_slots}")
         if self.api_key is not None and not self.api_key:
             raise SpeculantError("the API key must not be empty")
 
@@ -62,7 +65,7 @@ def offered_methods(engine: Engine) -> list[str]:
 
 
 def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
-    worker = Worker(engine, WorkerConfig(cfg.max_queue, cfg.prompt_cache))
+    worker = Worker(engine, WorkerConfig(cfg.max_queue, cfg.prompt_cache, cfg.prompt_cache_slots))
     metrics = Metrics(lambda: worker.waiting, lambda: int(worker.running is not None))
     context = engine.target.config.context_length
     methods: dict[str, Engine | None] = {m: None for m in offered_methods(engine)}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ..engine import Chunk, Done, Engine, GenerationConfig
 from ..errors import SpeculantError
+from ..prefix import PromptCachePool
 
 log = logging.getLogger("speculant.server")
 
@@ -67,17 +68,23 @@ class Job:
 class WorkerConfig:
     max_queue: int = 16  # jobs waiting (the running one not counted); more get 429
     prompt_cache: bool = True
+    # conversations whose prompt caches are kept at once (prefix.PromptCachePool): clients taking turns keep
+    # theirs; each holds the keys/values of its last prompt and answer (1.5B, f16: 28 KB a token)
+    prompt_cache_slots: int = 4
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise SpeculantError(f"queue size must be >= 0, got {self.max_queue}")
+        if self.prompt_cache_slots < 1:
+            raise SpeculantError(f"prompt cache slots must be >= 1, got {self.prompt_cache_slots}")
 
 
 class Worker:
     def __init__(self, engine: Engine, cfg: WorkerConfig) -> None:
         self.engine = engine
         self.cfg = cfg
-        self.cache = engine.prompt_cache(reuse=cfg.prompt_cache)
+        self.caches = PromptCachePool(lambda: engine.prompt_cache(reuse=cfg.prompt_cache),
+                                      cfg.prompt_cache_slots if cfg.prompt_cache else 1)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0
@@ -130,7 +137,8 @@ class Worker:
 
     def _generate(self, job: Job) -> None:
         job.started = time.monotonic()
-        stream = job.engine.stream(job.ids, job.gen, cache=self.cache)
+        cache = self.caches.take(job.ids)
+        stream = job.engine.stream(job.ids, job.gen, cache=cache)
         try:
             for event in stream:
                 job.post(event)
@@ -147,7 +155,7 @@ class Worker:
             job.post(Failed(e))
         except Exception as e:  # a bug: keep serving, but start the next prompt from an empty cache
             log.exception("generation failed")
-            self.cache.forget()
+            cache.forget()
             job.post(Failed(e))
         finally:
             stream.close()  # a stopped generation ends here, at the round it reached
