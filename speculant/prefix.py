@@ -185,7 +185,3 @@ class PromptCachePool:
             cache = self.caches.pop()
         self.caches.insert(0, cache)
         return cache
-
-    def forget(self) -> None:
-        for c in self.caches:
-            c.forget()
