@@ -125,6 +125,13 @@ def test_specbench_filtering_and_count(tmp_path: Path) -> None:
     bad.write_text('{"question_id": 1}\n')
     with pytest.raises(SpeculantError, match="bad.jsonl:1"):
         load_specbench(bad, 1)
+    assert all(p.follow_ups == () for p in all_)  # the first turn only, by default
+    conversations = load_specbench(path, 10, turns="all")
+    assert [p.follow_ups for p in conversations] == [("second turn",)] * 6 and conversations[0].text == all_[0].text
+    with pytest.raises(SpeculantError, match="--turns"):
+        load_specbench(path, 1, turns="both")
+    with pytest.raises(SpeculantError, match="--turns applies to --dataset specbench"):
+        load_prompts("humaneval", 1, turns="all")
 
 
 def test_find_specbench_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,6 +293,32 @@ def test_run_methods_tiny(tmp_path: Path) -> None:
     assert cats == ["x", "y", ALL] and set(series) == {"draft", "lookup"}
     d = json.loads(json.dumps(result.to_dict(), default=str))
     assert d["mismatches"] == 0 and len(d["records"]) == 6
+
+
+def test_run_methods_runs_conversations_with_their_prompt_cache(prefill_route) -> None:
+    """`--turns all`: a question's turns run as one conversation per method (its own answer, then the next
+    question), one prompt cache for its turns. Every turn is compared with the reference's; on the fused route
+    the second turn reuses the first turn's prompt and answer."""
+    prefill_route("fused")
+    target = tiny_model(48, seed=1, fmt="q8_0", dim=64, heads=2, kv_heads=1, logit_scale=3.0)
+    draft = tiny_model(48, seed=2, fmt="q8_0", dim=64, heads=2, kv_heads=1, layers=1, logit_scale=3.0)
+    target.tokenizer.chat_template = ("{% for m in messages %}t7 t2 {{ m['content'] }} {% endfor %}"
+                                      "{% if add_generation_prompt %}t7 t2{% endif %}")
+    cfg = MethodsConfig(("ar", "lookup", "hybrid"), max_new_tokens=10, warmup_tokens=2)
+    engines = {m: Engine(target, draft if m == "hybrid" else None, MethodConfig(m)) for m in cfg.methods}
+    prompts = [Prompt("q", "chat", "t3 t4 t5 t3 t4", chat=True, follow_ups=("t6 t7 t8",)),
+               Prompt("r", "chat", "t9 t8", chat=True)]
+    result = run_methods(engines, prompts, cfg, progress=False, err=Console(stderr=True, quiet=True))
+    assert [(r.prompt_id, r.method) for r in result.records] == [
+        (pid, m) for turns in (("q", "q#2"), ("r",)) for m in cfg.methods for pid in turns]
+    assert not result.mismatches and all(r.matches_reference for r in result.records)
+    first = {r.method: r for r in result.records if r.prompt_id == "q"}
+    invariant = target.model.batch_invariant_prompts()  # (x86 builds)
+    for r in (r for r in result.records if r.prompt_id == "q#2"):
+        if invariant:  # the first turn's prompt and answer (but its last token)
+            assert r.cached_prompt_tokens == first[r.method].prompt_tokens + 9
+        assert r.prompt_tokens > first[r.method].prompt_tokens + 10
+    assert all(r.cached_prompt_tokens == 0 for r in result.records if r.prompt_id != "q#2")
 
 
 def test_run_methods_sampled_with_seeds() -> None:

@@ -48,6 +48,7 @@ class Record:
     matches_reference: bool | None = None  # token ids equal to the reference method's
     first_mismatch: int | None = None  # index of the first differing token
     peer: bool = False  # a peer's run: never counted as an exactness failure
+    cached_prompt_tokens: int = 0  # prompt tokens the conversation's prompt cache held (later turns)
 
     def __post_init__(self) -> None:
         if self.generated_tokens < 0 or self.seconds < 0:
@@ -59,7 +60,8 @@ class Record:
         return cls(prompt_id, category, method or stats.method, stats.prompt_tokens, stats.generated_tokens,
                    stats.prefill_seconds + stats.decode_seconds, stats.prefill_seconds, stats.decode_seconds,
                    stats.rounds, stats.paused_rounds, stats.drafted_tokens, stats.accepted_tokens,
-                   stats.draft_seconds, stats.target_seconds, matches_reference, first_mismatch)
+                   stats.draft_seconds, stats.target_seconds, matches_reference, first_mismatch,
+                   cached_prompt_tokens=stats.cached_prompt_tokens)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

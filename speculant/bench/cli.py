@@ -15,7 +15,7 @@ from rich.console import Console
 from ..errors import SpeculantError
 from ..models.cache import KV_DTYPES, kv_dtype_name
 from ..models.formats import WEIGHT_FORMATS
-from .prompts import DATASETS
+from .prompts import DATASETS, TURNS
 from .speed import DEFAULT_DTYPES, DEFAULT_MODELS, KS, PEERS
 
 # what `bench methods` compares by default: the methods that need no trained heads (tree and head
@@ -59,6 +59,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--dataset", choices=DATASETS, default="humaneval", help="prompt set")
     m.add_argument("--categories", nargs="+", default=[], help="Spec-Bench categories (e.g. summarization rag)")
     m.add_argument("--count", type=int, default=20, help="prompts per category")
+    m.add_argument("--turns", choices=TURNS, default="first",
+                   help="Spec-Bench: each question's first turn, or all its turns as one conversation (its prompt "
+                        "cache shared by the turns, as in a chat; later turns are rows ID#2, ...)")
     m.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (fixed)")
     m.add_argument("--warmup-tokens", type=int, default=8, help="untimed tokens each method generates first")
     m.add_argument("--specbench-file", default=None,
@@ -147,7 +150,7 @@ def _methods(args: argparse.Namespace) -> int:
     from ..cli import sampling_config
 
     cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens, sampling_config(args), args.seeds)
-    prompts = load_prompts(args.dataset, args.count, tuple(args.categories), args.specbench_file)
+    prompts = load_prompts(args.dataset, args.count, tuple(args.categories), args.specbench_file, args.turns)
     out = output_dir(args.out)
     err = Console(stderr=True)
 

