@@ -124,7 +124,7 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
                 cache = engine.prompt_cache() if prompt.follow_ups else None
                 messages: list[dict[str, str]] = []
                 for turn, text in enumerate(texts):
-                    pid = prompt.id if turn == 0 else f"{prompt.id}#{turn + 1}"
+                    pid = turn_id(prompt.id, turn)
                     if turn:  # the previous turn, the method's own answer, the next question
                         messages += [{"role": "assistant", "content": done.text}, {"role": "user", "content": text}]
                         tok = engine.tokenizer
@@ -148,7 +148,7 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
                     bar.advance(task)
             for m in peer_methods:
                 for turn, (reference, turn_prompt) in enumerate(zip(references, turn_ids)):
-                    pid = prompt.id if turn == 0 else f"{prompt.id}#{turn + 1}"
+                    pid = turn_id(prompt.id, turn)
                     bar.update(task, description=f"{prompt.category} {pid}: {m}")
                     tokens, seconds = peers.generate(m, turn_prompt, cfg.max_new_tokens)
                     diff = first_difference(reference, tokens)
@@ -156,6 +156,11 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
                                                  matches_reference=diff is None, first_mismatch=diff, peer=True))
                     bar.advance(task)
     return result
+
+
+def turn_id(prompt_id: str, turn: int) -> str:
+    """A record's prompt id: the question's for its first turn, then ID#2, ID#3, ..."""
+    return prompt_id if turn == 0 else f"{prompt_id}#{turn + 1}"
 
 
 def methods_tables(result: MethodsResult) -> list[Table]:
