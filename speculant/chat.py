@@ -40,10 +40,9 @@ class Conversation:
 
     def turn(self, text: str, write: Callable[[str], None]) -> Turn:
         """Answer one user message, streaming it through `write`."""
-        tok = self.engine.tokenizer
         self.messages.append({"role": "user", "content": text})
         try:
-            ids = self.engine.encode_prompt(tok.encode(tok.apply_chat_template(self.messages), add_special=False))
+            ids = self.engine.encode_messages(self.messages)
         except SpeculantError as e:
             self.messages.pop()  # the message never got an answer: leave the history as it was
             hint = " (/reset starts a new conversation)" if len(self.messages) > 1 else ""

@@ -141,9 +141,8 @@ class Engine:
                 raise SpeculantError("the prompt is empty; pass some text to continue")
             if chat:
                 messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special=False)
-            else:
-                ids = self.tokenizer.encode(prompt)
+                return self.encode_messages(messages)
+            ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -153,6 +152,11 @@ class Engine:
             raise SpeculantError(f"the prompt has {len(ids)} tokens but the model's context holds {ctx}; shorten it")
         self._check_ids(ids)
         return ids
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation ({"role", "content"} dicts) through the chat template, as prompt ids (checked as
+        encode_prompt's): a chat's next turn, a benchmark's follow-up question."""
+        return self.encode_prompt(self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), add_special=False))
 
     def _check_ids(self, ids: list[int]) -> None:
         """Prompt ids must be tokens: rows of the embedding that the tokenizer also knows (a draft model has

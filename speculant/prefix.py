@@ -97,16 +97,15 @@ class KeptPrefix:
         read the last row, as DraftModelDrafter does.
         """
         cache = self.cache_for(max_len)
-        invariant = self.model.batch_invariant_prompts()
-        limit = min(common_prefix(self.tokens, ids), cache.length, len(ids) - 1 if logits else len(ids))
-        if invariant:  # any shared prefix; passes of PASS_MAX only so that an interrupted prefill keeps some
-            reused = limit if self.reuse else 0
+        limit = min(common_prefix(self.tokens, ids), cache.length, len(ids) - 1 if logits else len(ids)) \
+            if self.reuse else 0
+        if self.model.batch_invariant_prompts():  # any shared prefix; passes of PASS_MAX only so that an
+            reused = limit  # interrupted prefill keeps some
             starts = list(range(reused, len(ids), PASS_MAX)) or [reused]
         else:
             starts = pass_starts(ids, self.specials)
             # The last pass start (or prompt end) at most `limit` that both prompts' passes share.
-            reused = max((s for s in starts + [len(ids)] if s <= limit and s in self.starts), default=0) \
-                if self.reuse else 0
+            reused = max((s for s in starts + [len(ids)] if s <= limit and s in self.starts), default=0)
         ends = starts[1:] + [len(ids)]
         cache.rollback(reused)
         self.tokens, self.starts = ids[:reused], {s for s in starts if s <= reused}

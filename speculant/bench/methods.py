@@ -127,9 +127,7 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
                     pid = turn_id(prompt.id, turn)
                     if turn:  # the previous turn, the method's own answer, the next question
                         messages += [{"role": "assistant", "content": done.text}, {"role": "user", "content": text}]
-                        tok = engine.tokenizer
-                        turn_prompt = engine.encode_prompt(tok.encode(tok.apply_chat_template(messages),
-                                                                      add_special=False))
+                        turn_prompt = engine.encode_messages(messages)
                     else:
                         messages, turn_prompt = [{"role": "user", "content": text}], ids
                     bar.update(task, description=f"{prompt.category} {pid}: {name}")

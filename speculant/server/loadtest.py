@@ -172,12 +172,7 @@ async def _load(url: str, model: str, specs: list[Spec], clients: int, seconds: 
 def reference(e: Engine, spec: Spec) -> tuple[str, int]:
     """The request run alone through the engine (under spec.method), as `speculant generate [--chat]` runs it."""
     gen = GenerationConfig(spec.max_tokens, SamplingConfig(spec.temperature, seed=spec.seed))
-    if spec.chat:
-        tok = e.tokenizer
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": spec.text}]
-        done = e.generate(tok.encode(tok.apply_chat_template(messages), add_special=False), gen)
-    else:
-        done = e.generate(spec.text, gen)
+    done = e.generate(spec.text, gen, chat=spec.chat, system=SYSTEM if spec.chat else None)
     return done.text, len(done.token_ids)
 
 
