@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,25 @@ def physical_cores() -> int:
     except OSError:
         pass
     return max(1, min(len(cores) or len(allowed), len(allowed)))
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU as the kernel names it, with its x86 family and model where given ("AMD EPYC (family 25,
+    model 17)"), else what `platform` reports: benchmarks name the machine their numbers come from."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():  # the first processor's entry is enough
+                    break
+                key, _, val = line.partition(":")
+                fields.setdefault(key.strip(), val.strip())
+    except (OSError, UnicodeDecodeError):
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _read(path: Path) -> str | None:

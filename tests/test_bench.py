@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -183,9 +184,21 @@ def test_writers(tmp_path: Path) -> None:
         Table("bad", ("a", "b"), (("only one",),))
 
 
-def test_machine_info_and_load_note() -> None:
+def test_machine_info_and_load_note(tmp_path: Path) -> None:
+    from speculant.models import native
+    from speculant.runtime import cpu_model
+
     info = machine_info()
-    assert set(info) == {"cpu", "cpus", "load_average"}
+    assert set(info) == {"cpu", "kernels", "cpus", "load_average"}
+    assert info["cpu"] == cpu_model() and info["kernels"] == native.kernel_build()
+    assert info["kernels"] in [name for name, _, _ in native.ISAS] + ["portable"]
+    cpuinfo = tmp_path / "cpuinfo"  # the first processor's entry names the CPU
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                       "model name\t: AMD EPYC 9654\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_model(cpuinfo) == "AMD EPYC 9654 (family 25, model 17)"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Neoverse\n")  # no x86 family / model
+    assert cpu_model(cpuinfo) == "Neoverse"
+    assert cpu_model(tmp_path / "missing")  # platform's name, never empty
     assert load_note({"cpus": 4, "load_average": [0.1, 0.1, 0.1]}) is None
     assert "noisy" in load_note({"cpus": 2, "load_average": [3.5, 2.0, 1.0]})
 
@@ -256,6 +269,7 @@ def test_fidelity_and_measure_model(tiny) -> None:
     assert tables[0].rows[0][:3] == ("tiny", "speculant", "float32")
     cols = tables[0].columns
     assert tables[0].rows[0][cols.index("bw GB/s")] == "10.0"  # the row's own bandwidth, beside its % of it
+    assert tables[0].notes[0].startswith(f"measured on {res.machine['cpu']}") and "1 thread," in tables[0].notes[0]
     assert json.loads(json.dumps(res.to_dict(), default=str))["rows"][0]["model"] == "tiny"
 
 
@@ -277,22 +291,31 @@ def test_bandwidth_is_positive() -> None:
 def test_run_methods_tiny(tmp_path: Path) -> None:
     target = tiny_model(32, seed=1, logit_scale=3.0)
     draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1)
-    cfg = MethodsConfig(("ar", "draft", "lookup"), max_new_tokens=12, warmup_tokens=2)
+    cfg = MethodsConfig(("ar", "draft", "lookup"), max_new_tokens=12, warmup_tokens=2, bandwidth_gib=0.02)
     engines = {m: Engine(target, draft if m == "draft" else None, MethodConfig(m)) for m in cfg.methods}
     prompts = [Prompt("a", "x", "t3 t1 t4 t1 t5 t9 t2 t6", chat=False),
                Prompt("b", "y", "t1 t2 t3 t1 t2 t3 t1 t2", chat=False)]
     result = run_methods(engines, prompts, cfg, progress=False, err=Console(stderr=True, quiet=True))
     assert len(result.records) == 6 and not result.mismatches
+    assert len(result.bandwidths) == 2 and all(b > 0 for b in result.bandwidths)  # one per prompt
     assert all(r.generated_tokens == 12 for r in result.records)
     aggs = {(a.category, a.method): a for a in result.aggregates}
     assert aggs[(ALL, "ar")].speedup == pytest.approx(1.0) and aggs[(ALL, "ar")].prompts == 2
     assert aggs[(ALL, "draft")].acceptance_rate is not None
     table = methods_tables(result)[0]
     assert len(table.rows) == len(result.aggregates) and table.rows[0][-1] == "1/1"
+    # the machine named, with the kernel build, and the memory speed the run saw
+    assert any(n.startswith(f"measured on {result.machine['cpu']}") and f"{result.machine['kernels']} kernels" in n
+               for n in table.notes)
+    assert any(n.startswith("memory bandwidth before each prompt") for n in table.notes)
     cats, series = chart_series(result)
     assert cats == ["x", "y", ALL] and set(series) == {"draft", "lookup"}
     d = json.loads(json.dumps(result.to_dict(), default=str))
     assert d["mismatches"] == 0 and len(d["records"]) == 6
+    assert d["bandwidths_gbps"] == result.bandwidths
+    off = run_methods(engines, prompts[:1], replace(cfg, bandwidth_gib=0.0), progress=False,
+                      err=Console(stderr=True, quiet=True))
+    assert off.bandwidths == [] and not any("memory bandwidth" in n for n in methods_tables(off)[0].notes)
 
 
 def test_run_methods_runs_conversations_with_their_prompt_cache(prefill_route) -> None:
@@ -346,6 +369,8 @@ def test_methods_config_and_mismatch_reporting() -> None:
         MethodsConfig(("ar", "mystery"))
     with pytest.raises(SpeculantError, match="twice"):
         MethodsConfig(("ar", "ar"))
+    with pytest.raises(SpeculantError, match="bandwidth array"):
+        MethodsConfig(("ar",), bandwidth_gib=100)
     assert MethodsConfig(("lookup", "draft")).reference == "lookup"
     result = MethodsResult(MethodsConfig(("ar", "draft")), _records())
     assert len(result.mismatches) == 1

@@ -70,6 +70,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_sampler_args(m)  # greedy unless --temperature > 0
     m.add_argument("--seeds", type=int, default=1,
                    help="sampled runs: generate each prompt with seeds --seed (default 0) .. --seed + N - 1")
+    m.add_argument("--bandwidth-gib", type=float, default=0.25,
+                   help="array size of the memory bandwidth measured before each prompt (0: none)")
     m.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
 
     v = modes.add_parser("serve", help="load test of `speculant serve` on loopback: concurrent streaming clients, "
@@ -149,7 +151,8 @@ def _methods(args: argparse.Namespace) -> int:
         raise SpeculantError("bench methods compares several methods: use --methods (e.g. --methods ar draft lookup)")
     from ..cli import sampling_config
 
-    cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens, sampling_config(args), args.seeds)
+    cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens, sampling_config(args), args.seeds,
+                        args.bandwidth_gib)
     prompts = load_prompts(args.dataset, args.count, tuple(args.categories), args.specbench_file, args.turns)
     out = output_dir(args.out)
     err = Console(stderr=True)

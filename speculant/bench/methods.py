@@ -10,6 +10,7 @@ peer) generates a few tokens once before timing starts.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -23,7 +24,8 @@ from ..sampling import SamplingConfig
 from .aggregate import ALL, Aggregate, Record, aggregate, first_difference
 from .peers import TransformersPeers
 from .prompts import Prompt
-from .report import Table, fmt, load_note, machine_info
+from .report import Table, fmt, load_note, machine_info, machine_note
+from .speed import measure_bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,11 @@ class MethodsConfig:
     # is a distribution property: tests/test_engine.py).
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: int = 1
+    # Memory bandwidth (torch.sum over this many GiB) measured before each prompt, 0 = not measured. On a
+    # shared host it swings within minutes (33-65 GB/s in one sitting, AMD EPYC Zen 4), and speedups with
+    # it: `ar`'s step is memory-bound, drafting and multi-row verification less so (HumanEval 20, `hybrid`:
+    # 1.58x at ~34 GB/s, 1.48x in a run that reached ~62).
+    bandwidth_gib: float = 0.25
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -52,6 +59,8 @@ class MethodsConfig:
             raise SpeculantError("warm-up tokens must be >= 0")
         if self.seeds < 1:
             raise SpeculantError(f"--seeds must be >= 1, got {self.seeds}")
+        if self.bandwidth_gib and not 0.01 <= self.bandwidth_gib <= 64:
+            raise SpeculantError(f"bandwidth array must be 0 (off) or 0.01-64 GiB, got {self.bandwidth_gib}")
 
     @property
     def reference(self) -> str:
@@ -64,6 +73,7 @@ class MethodsResult:
     records: list[Record] = field(default_factory=list)
     info: dict[str, object] = field(default_factory=dict)
     machine: dict[str, object] = field(default_factory=machine_info)
+    bandwidths: list[float] = field(default_factory=list)  # GB/s, before each prompt (MethodsConfig.bandwidth_gib)
 
     @property
     def aggregates(self) -> list[Aggregate]:
@@ -78,7 +88,8 @@ class MethodsResult:
         return {"config": {"methods": list(self.config.methods), "max_new_tokens": self.config.max_new_tokens,
                            "reference": self.config.reference, "seeds": self.config.seeds,
                            "sampling": {f: getattr(s, f) for f in s.__slots__}},
-                "info": self.info, "machine": self.machine, "mismatches": len(self.mismatches),
+                "info": self.info, "machine": self.machine, "bandwidths_gbps": self.bandwidths,
+                "mismatches": len(self.mismatches),
                 "aggregates": [a.to_dict() for a in self.aggregates],
                 "records": [r.to_dict() for r in self.records]}
 
@@ -113,6 +124,8 @@ def run_methods(engines: dict[str, Engine], prompts: Sequence[Prompt], cfg: Meth
             for m in peer_methods:
                 peers.generate(m, encoded[0], cfg.warmup_tokens)
         for (prompt, ids), seed in itertools.product(zip(prompts, encoded), range(cfg.seeds)):
+            if cfg.bandwidth_gib:
+                result.bandwidths.append(round(measure_bandwidth(cfg.bandwidth_gib, repeats=3), 1))
             gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True,
                                    sampling=replace(cfg.sampling, seed=base_seed + seed) if sampled else cfg.sampling)
             texts = (prompt.text, *prompt.follow_ups)
@@ -189,6 +202,11 @@ def methods_tables(result: MethodsResult) -> list[Table]:
         "rounds: paused = share of decode rounds the governor ran plain because they were measured faster.",
         f"match = generations whose tokens equal {ref}'s (greedy exactness; for hf-* peers only informational).",
     ]
+    notes.append(machine_note(result.machine, result.info.get("threads")))
+    if bw := result.bandwidths:
+        notes.append(f"memory bandwidth before each prompt (torch.sum over {result.config.bandwidth_gib:g} GiB): "
+                     f"{min(bw):.1f}-{max(bw):.1f} GB/s, median {statistics.median(bw):.1f}; speedups over "
+                     f"{ref} change with it ({ref}'s steps are memory-bound, drafting and verification less so).")
     if note := load_note(result.machine):
         notes.append(note)
     if result.mismatches:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,8 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from ..errors import SpeculantError
+from ..models.native import kernel_build
+from ..runtime import cpu_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +46,19 @@ def fmt(value: float | int | None, digits: int = 1, suffix: str = "") -> str:
 
 
 def machine_info() -> dict[str, object]:
-    """Where the numbers were taken: CPU, cores, and how busy the machine was (load average)."""
+    """Where the numbers were taken: the CPU, the kernel build it runs, cores, and how busy the machine was
+    (load average)."""
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_average": load}
+    return {"cpu": cpu_model(), "kernels": kernel_build(), "cpus": os.cpu_count(), "load_average": load}
+
+
+def machine_note(info: dict[str, object], threads: object = None) -> str:
+    """The table line naming the machine: speed ratios hold for the CPU they were measured on."""
+    used = f", {threads} thread{'' if threads == 1 else 's'}" if threads else ""
+    return f"measured on {info.get('cpu')}: {info.get('cpus')} CPUs{used}, {info.get('kernels')} kernels."
 
 
 def load_note(info: dict[str, object]) -> str | None:

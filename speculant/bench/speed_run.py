@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import SpeculantError
 from ..models.cache import default_kv_dtype
 from .peers import LLAMA_CPP_CRASH_HINT, LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available, llama_cpp_speed
-from .report import Table, fmt, load_note, machine_info
+from .report import Table, fmt, load_note, machine_info, machine_note
 from .speed import (FIDELITY_CTX, Fidelity, SpeedConfig, SpeedRow, bench_ids, compare_logits, fidelity_logits,
                     fidelity_text, measure_bandwidth, measure_model)
 
@@ -143,7 +143,8 @@ def speed_tables(result: SpeedResult) -> list[Table]:
                      fmt(None if frac is None else 100 * frac, 0),
                      *curve))
     notes = (
-        f"{result.threads} threads; our KV caches in "
+        machine_note(result.machine, result.threads),
+        f"our KV caches in "
         f"{cfg.kv_dtype or ', '.join(f'{default_kv_dtype(d)} ({d})' for d in cfg.dtypes)}; "
         "bw = memory bandwidth, the mean of torch.sum "
         f"over {cfg.bandwidth_gib:g} GiB float32 right before and after each row ({_span(result.bandwidths)} GB/s "

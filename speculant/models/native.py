@@ -203,7 +203,9 @@ def library(isa: str | None = None) -> ctypes.CDLL:
         for name in names:
             extra = next(flags for n, _, flags in ISAS if n == name)
             try:
-                return _bind(_load(gcc, SOURCES, _FLAGS + extra), True)
+                lib = _bind(_load(gcc, SOURCES, _FLAGS + extra), True)
+                lib.speculant_isa = name  # (kernel_build)
+                return lib
             except SpeculantError:
                 if name == names[-1]:
                     raise
@@ -233,6 +235,15 @@ def gq_library() -> ctypes.CDLL:
             if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
                 _warn_once(f"speculant: {e}; the portable C kernels run instead (the same results, many times slower)")
     return portable_library()
+
+
+def kernel_build() -> str:
+    """The build gq_library() runs: a name from ISAS, "portable", or "none" (no compiler: torch only)."""
+    try:
+        lib = gq_library()
+    except SpeculantError:
+        return "none"
+    return getattr(lib, "speculant_isa", "portable")
 
 
 @functools.cache
