@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void packed32_rows(const int R, con
         const int h = (int)(b & 1);
         const uint8_t *o = tile + (b / 2) * pb, *q = o + h * qs;
         if (!h)
-            prefetch_tile(o, pb, 4096);
+            prefetch_tile(o, pb, 4096, 64);
         const int8_t *x = xq + 32 * b;
         vi_t I[PACKED_MR][2];
         for (int m = 0; m < R; m++)

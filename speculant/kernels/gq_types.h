@@ -107,12 +107,12 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
  * layers, /work/notes/sim/linT.py, ms at M = 1 / 4 / 8 in two alternated sittings: prefetcht0 39.5-52.4 /
  * 51.6-52.6 / 83.9-84.6, prefetcht1 34.5-35.0 / 33.8-34.1 / 48.8-49.1; Q6_K's lm_head at M = 4 14.0 -> 5.4-5.7).
  * Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead (4096: lm_head at M = 1 9.6 -> 6.2-6.5 ms
- * with 8192). No effect on results. */
-static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead) {
+ * with 8192). `step` is 64 (every line) but for Q4_K at M = 1 (gq_packed.h). No effect on results. */
+static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead, int step) {
 #if defined(__GNUC__)
-    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(o + ahead + l, 0, 2);
+    for (int64_t l = 0; l < bytes; l += step) __builtin_prefetch(o + ahead + l, 0, 2);
 #else
-    (void)o; (void)bytes; (void)ahead;
+    (void)o; (void)bytes; (void)ahead; (void)step;
 #endif
 }
 
