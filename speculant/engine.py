@@ -28,7 +28,7 @@ from .methods.draft_model import DraftModelDrafter, reduced_head
 from .methods.draft_tree import DraftTreeDrafter
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridDrafter
 from .methods.lookup import LookupDrafter
-from .heads.runtime import load_heads
+from .heads.runtime import heads_thread_invariant, load_heads
 from .methods.eagle import EagleDrafter
 from .methods.lookup_tree import LookupTreeDrafter
 from .methods.medusa import MedusaDrafter
@@ -83,11 +83,6 @@ class Engine:
         # CPU threads as the CLI sets them: `threads`, else $SPECULANT_THREADS, else one per physical
         # core within the container's CPU quota (torch's own default counts every visible CPU).
         self.threads = configure_threads(threads)
-        # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where the
-        # target's logits do not depend on the thread count
-        adapt = (not threads_fixed(threads) and target.model.device.type == "cpu"
-                 and target.model.thread_invariant())
-        self._share = ThreadShare(self.threads) if adapt else None
         self.target = target
         self.draft = draft
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
@@ -110,6 +105,12 @@ class Engine:
         self._head = None  # the draft head of a head method, loaded once per engine
         if self.method.name in HEAD_METHODS:
             self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
+        # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
+        # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
+        adapt = (not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
+                 and (draft is None or self.method.name not in MODEL_METHODS or draft.model.thread_invariant())
+                 and (self._head is None or heads_thread_invariant(self._head)))
+        self._share = ThreadShare(self.threads) if adapt else None
         self.tokenizer = target.tokenizer
         self._specials = self.tokenizer.special_ids()  # where prefill passes start (prefix.pass_starts)
 

@@ -2,10 +2,9 @@
 token at a time, on the fused C path, the per-layer C path and the torch fallback; the kept path
 leaves the KV cache the chain would have.
 
-float32 linears (MKL's GEMM) round differently for different row counts, so in float32 a node is
-compared with its path scored as a chain padded to the tree pass's row count (rows after the path
-cannot change it): that checks the masked attention bit for bit. The GGML formats' integer kernel is
-batch-invariant, so there a node also equals its path scored one token at a time."""
+Every format is batch-invariant in short passes (float32 runs them row by row through the M = 1
+call, formats/base.py; the GGML formats' integer kernel is per row), so a node also equals its path
+scored one token at a time, on every path."""
 
 import pytest
 import torch
@@ -30,8 +29,7 @@ def random_tree(n: int, vocab: int, g: torch.Generator) -> DraftTree:
     return DraftTree(torch.randint(0, vocab, (n,), generator=g), parents)
 
 
-def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_HIDDEN), invariant=True):
-    """invariant: the linears are batch-invariant (GGML); else chains are padded to the pass's rows."""
+def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_HIDDEN)):
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
     cache = model.new_cache(128)
@@ -46,14 +44,11 @@ def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_H
     for i in [-1] + list(range(n_nodes)):
         path = tree.path(i)
         chain = clone(cache)
-        pad = [] if invariant else torch.randint(0, V, (n_nodes - len(path),), generator=g)
-        ref = model(torch.cat([pending, tree.tokens[path], *([pad] if len(pad) else [])]), chain, taps=taps)
+        ref = model(torch.cat([pending, tree.tokens[path]]), chain, taps=taps)
         row, last = i + 1, len(path)
         assert torch.equal(out.logits[row], ref.logits[last]), (i, path)
         for t in taps:
             assert torch.equal(out.taps[t][row], ref.taps[t][last]), (i, t)
-        if not invariant:
-            continue
         step = clone(cache)  # one token at a time
         for tok in torch.cat([pending, tree.tokens[path]]):
             one = model(tok[None], step)
@@ -64,8 +59,6 @@ def check_tree(model, prompt_len: int, n_nodes: int, seed: int, taps=(0, FINAL_H
     tc.keep(base, torch.tensor([0] + [p + 1 for p in path]))
     chain = clone(cache)
     model(torch.cat([pending, tree.tokens[path]]), chain)
-    if not invariant:
-        return
     assert tc.length == chain.length
     assert torch.equal(tc.k[:, :, : tc.length], chain.k[:, :, : tc.length])
     assert torch.equal(tc.v[:, :, : tc.length], chain.v[:, :, : tc.length])
@@ -84,9 +77,8 @@ def test_tree_rows_equal_their_chains(fmt, kv, prompt_len):
     assert model.new_cache(8).k.dtype == kv_dtype_of(kv)
     if fmt != "float32" and tr.native_kernels() is not None:
         assert model.fused_blocks() is not None  # the fused C path is the one under test
-    exact = fmt != "float32"
-    check_tree(model, prompt_len, 14, seed=prompt_len, invariant=exact)
-    check_tree(model, prompt_len, 31, seed=prompt_len + 1, invariant=exact)  # the largest short pass
+    check_tree(model, prompt_len, 14, seed=prompt_len)
+    check_tree(model, prompt_len, 31, seed=prompt_len + 1)  # the largest short pass
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
@@ -97,7 +89,7 @@ def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch, kv):
     check_tree(model, 11, 12, seed=0, taps=(1, FINAL_HIDDEN))
     monkeypatch.setattr(tr, "native_kernels", lambda: None)  # torch only (no compiler / not x86)
     model = tiny_model(40, seed=4, heads=4, kv_heads=1, hidden=128, layers=2, kv_dtype=kv, **heads(kv)).model
-    check_tree(model, 11, 12, seed=1, invariant=False)
+    check_tree(model, 11, 12, seed=1)
 
 
 def test_long_tree_passes_take_sdpa_and_bad_masks_are_clear_errors():

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from ..errors import SpeculantError
 from ..methods.base import MAX_DRAFT_TOKENS
 from .formats import load_head
 from .layer import inference_format
+from ..models.formats import QLinear
 from .modules import EagleHead, MedusaHeads, for_inference, init_from_target
 from .store import resolve_heads
 
@@ -54,3 +57,10 @@ def load_heads(target, method: str, cfg: HeadsConfig) -> tuple[MedusaHeads | Eag
     if isinstance(head, EagleHead) and not head.cfg.own_lm_head:
         init_from_target(head, target.model)
     return for_inference(head, fmt).to(device), stats
+
+
+def heads_thread_invariant(head: nn.Module) -> bool:
+    """Whether the head's outputs are the same bits with any CPU thread count: every linear a QLinear that is
+    (formats/base.py); float32 heads keep torch's nn.Linear, whose sums split by the thread count."""
+    linears = [m for m in head.modules() if isinstance(m, (nn.Linear, QLinear))]
+    return all(isinstance(m, QLinear) and m.thread_invariant for m in linears)

@@ -78,6 +78,7 @@ class DraftTreeDrafter:
         parents: list[int] = []
         self.chain_nodes = []
         rows: list[Dist] = []
+        spare = k - L  # sibling nodes left in the budget: the tree never exceeds the k rows the engine has room for
         if L:
             vocab = self.inner.target_vocab
             logits = torch.stack(self.recorder.rows[:L])[:, :vocab]  # [L, W]: the rows the chain was drawn from
@@ -90,7 +91,8 @@ class DraftTreeDrafter:
                 parents.append(par)
                 if chain.q is not None:
                     rows.append(chain.q.select(torch.tensor([d], device=dev)))
-                sibs = [a for a in alts[d] if a != picked[d]][: w - 1]
+                sibs = [a for a in alts[d] if a != picked[d]][: min(w - 1, spare)]
+                spare -= len(sibs)
                 for s in sibs:
                     tokens.append(s)
                     parents.append(par)

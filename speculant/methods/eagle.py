@@ -97,7 +97,10 @@ class EagleDrafter:
         slot: dict[int, int] = {}  # expanded node -> its cache slot
         anc: dict[int, list[int]] = {-1: []}  # expanded node -> the cache slots of its expanded ancestors and itself
         all_scores = scores[0]
-        for depth in range(2, cfg.depth + 1):
+        # A tree of `budget` nodes is at most `budget` deep: deeper nodes could never be kept, and the pass
+        # that grows depth d sits at position root_pos + d - 1, which must stay inside the context (and the
+        # rotary table) when ties (a near-certain head) defeat the early stop below.
+        for depth in range(2, min(cfg.depth, budget) + 1):
             sc = all_scores[layer_nodes[0]: layer_nodes[-1] + 1]
             if n >= budget and float(sc.max()) < float(all_scores.topk(budget).values[-1]):
                 break  # children score below their parents: nothing deeper can make the final cut
