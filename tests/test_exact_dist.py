@@ -2,10 +2,9 @@
 wide trees (runs generate more tokens than are checked, so the engine's budget is not capped by the tokens
 left), the joint distribution of the first two tokens (not only each position's marginal), block-format
 models (Q4_K, Q8_0: their fused C passes also keep the runs cheap), samplers the method files leave out,
-a q8_0 KV cache for `draft` and a reduced draft vocabulary for `hybrid`. Every case has a negative control: the same engine with a wrong q (a
-deterministic draft claimed uniform, a sampled one claimed deterministic), which the statistic must reject."""
-
-from dataclasses import replace
+a q8_0 KV cache for `draft` and a reduced draft vocabulary for `hybrid`. Every case has a negative
+control: the same engine verifying against a biased p (squared and renormalized), which the statistic
+must reject."""
 
 import pytest
 import torch
@@ -15,13 +14,12 @@ from speculant.candidates import Dist
 from speculant.engine import Engine
 from speculant.heads.runtime import HeadsConfig
 from speculant.method import MethodConfig
-from speculant.methods.base import Draft, DraftLengthConfig
+from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
 from speculant.sampling import SamplingConfig
-from speculant.tree import DraftTree
 from sampled import exact_joint, exact_paths, sample_runs
 from test_heads import random_head
 
@@ -47,8 +45,8 @@ def target(fmt: str, kv: str = "f32"):
 def draft(fmt: str, kv: str = "f32"):
     if fmt == "q4_k":
         return tiny_model(V, seed=6, logit_scale=0.07, dim=256, hidden=256, layers=1, fmt=fmt, kv_dtype=kv)
-    return tiny_model(V, seed=6, logit_scale=0.2, dim=64 if kv == "q8_0" else 16, heads=2, kv_heads=1, layers=1,
-                      fmt=fmt, kv_dtype=kv)
+    dim = 64 if kv == "q8_0" else 32 if fmt != "float32" else 16  # whole 32-value blocks in rows and cached heads
+    return tiny_model(V, seed=6, logit_scale=0.2, dim=dim, heads=2, kv_heads=1, layers=1, fmt=fmt, kv_dtype=kv)
 
 
 # name -> (target format, method builder, sampling); the builder gets (target, tmp_path)
@@ -76,27 +74,19 @@ def heads(t, folder, method: str, **cfg) -> Engine:
     return Engine(t, method=MethodConfig(method, heads=HeadsConfig(name=name, fmt="q8_0", **cfg)))
 
 
-def wrong_q(engine: Engine) -> Engine:
-    """The negative control: each proposal's q replaced, uniform where it was deterministic (q = None) and
-    one-hot (deterministic) where it was sampled."""
-    make = engine._drafter
+def biased_acceptance(monkeypatch) -> None:
+    """The negative control: speculative rounds verify against p squared (renormalized), so accepted drafts
+    and resampled tokens lean to the likelier tokens; plain sampling (the first token) is untouched."""
+    import speculant.engine as engine_module
+    import speculant.tree_round as tree_module
 
-    def drafter(*args):
-        d = make(*args)
-        propose = d.propose
+    def sharp(p: Dist) -> Dist:
+        sq = p.p ** 2
+        return Dist(p.ids, sq / sq.sum(-1, keepdim=True), p.vocab)
 
-        def wrong(pending: int, k: int):
-            out = propose(pending, k)
-            n = out.tokens.shape[0]
-            q = (Dist(torch.arange(V).expand(n, -1), torch.full((n, V), 1.0 / V), V) if out.q is None
-                 else Dist.one_hot(out.tokens, V))
-            return DraftTree(out.tokens, out.parents, q) if isinstance(out, DraftTree) else Draft(out.tokens, q)
-
-        d.propose = wrong
-        return d
-
-    engine._drafter = drafter
-    return engine
+    chain, tree = engine_module.verify_sampled, tree_module.verify_tree_sampled
+    monkeypatch.setattr(engine_module, "verify_sampled", lambda d, q, p, g: chain(d, q, sharp(p), g))
+    monkeypatch.setattr(tree_module, "verify_tree_sampled", lambda t, p, g: tree(t, sharp(p), g))
 
 
 _EXACT: dict = {}
@@ -115,8 +105,6 @@ def run(case: str, tmp_path, runs: int, control: bool):
     fmt, build, sampling = CASES[case]
     t = target(fmt)
     e = build(t, tmp_path)
-    if control:
-        e = wrong_q(e)
     r = sample_runs(lambda i: e, PROMPT, sampling, CHECKED, V, runs, generate=GENERATED, joint=JOINT)
     marginals, joint = exact(fmt, sampling)
     return r, r.pvalues(marginals), r.joint_pvalue(joint) if not control else None
@@ -131,6 +119,7 @@ def test_marginals_and_joint_are_the_targets(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_check_rejects_a_wrong_q(case, tmp_path):
+def test_the_check_rejects_a_biased_acceptance(case, tmp_path, monkeypatch):
+    biased_acceptance(monkeypatch)
     _, marginal, _ = run(case, tmp_path, CONTROL_RUNS, control=True)
     assert min(marginal) < 1e-6, marginal
