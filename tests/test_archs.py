@@ -30,7 +30,7 @@ from speculant.models.load_gguf import GGUFSource
 from speculant.models.load_hf import HFSource
 from tiny_archs import VOCAB, converter, prompt, reference, save_arch, to_gguf
 
-ALL = ("qwen3", "qwen3-tied", "gemma3", "gemma3-scaled", "llama3.2")
+ALL = ("qwen3", "qwen3-tied", "gemma3", "gemma3-scaled", "smollm3", "llama3.2")
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,13 @@ def test_logits_match_transformers(folders, name):
     print(f"\n{name}: max |logit diff| vs transformers {gap:.2e}")
     assert gap <= 1e-4, gap
     cfg = model.cfg
+    if name == "smollm3":
+        assert cfg.nope_layers == (False, False, False, True, False, False)
     if name.startswith("gemma3"):
         assert cfg.local_layers == (True,) * 5 + (False,) and cfg.sliding_window == 8 < len(ids)
 
 
-@pytest.mark.parametrize("name", ("qwen3", "gemma3", "gemma3-scaled", "llama3.2"))
+@pytest.mark.parametrize("name", ("qwen3", "gemma3", "gemma3-scaled", "smollm3", "llama3.2"))
 def test_greedy_matches_transformers(folders, name):
     folder = folders(name)
     ids = prompt(20, seed=2)
@@ -71,7 +73,7 @@ def test_greedy_matches_transformers(folders, name):
 
 
 @pytest.mark.parametrize("fmt", ("q8_0", "q4_0"))  # the block formats' kernels are batch-invariant; torch's float32 GEMM is not
-@pytest.mark.parametrize("name", ("qwen3", "gemma3", "gemma3-scaled"))
+@pytest.mark.parametrize("name", ("qwen3", "gemma3", "gemma3-scaled", "smollm3"))
 def test_short_passes_are_batch_invariant(folders, name, fmt):
     model = load(folders(name), fmt)
     ids = prompt()
@@ -95,7 +97,7 @@ def test_short_passes_are_batch_invariant(folders, name, fmt):
 
 
 @pytest.mark.parametrize("fmt", ("float32", "q8_0"))
-@pytest.mark.parametrize("name", ("qwen3", "gemma3"))
+@pytest.mark.parametrize("name", ("qwen3", "gemma3", "smollm3"))
 def test_speculative_methods_are_greedy_identical_to_ar(folders, name, fmt):
     folder = folders(name)
     lm = LoadedModel(name, folder, load(folder, fmt), tiny_tokenizer(VOCAB), fmt)
@@ -110,7 +112,7 @@ def test_speculative_methods_are_greedy_identical_to_ar(folders, name, fmt):
         assert got == want, method
 
 
-@pytest.mark.parametrize("name", ("qwen3", "gemma3", "llama3.2"))
+@pytest.mark.parametrize("name", ("qwen3", "gemma3", "smollm3", "llama3.2"))
 def test_llama_cpp_gguf_conversion_loads_to_the_same_logits(folders, name, tmp_path_factory):
     from speculant.hub import speculant_home
 
@@ -118,7 +120,7 @@ def test_llama_cpp_gguf_conversion_loads_to_the_same_logits(folders, name, tmp_p
     folder = folders(name)
     gguf = to_gguf(folder, script)
     src = GGUFSource(gguf)
-    assert src.config.arch == {"qwen3": "qwen3", "gemma3": "gemma3", "llama3.2": "llama"}[name]
+    assert src.config.arch == {"qwen3": "qwen3", "gemma3": "gemma3", "smollm3": "smollm3", "llama3.2": "llama"}[name]
     ours_gguf = build_transformer(src, "float32", cache_dir=None, progress=False)
     ours_hf = load(folder)
     ids = prompt()

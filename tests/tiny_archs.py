@@ -1,4 +1,4 @@
-"""Tiny random models of the architectures beyond llama/qwen2 (Qwen3, Gemma 3, a Llama 3.2-style llama),
+"""Tiny random models of the architectures beyond llama/qwen2 (Qwen3, Gemma 3, SmolLM3, a Llama 3.2-style llama),
 written by transformers' own save_pretrained, and llama.cpp's converter to turn them into GGUF files.
 
 Norm weights are randomized (transformers initializes them to 1, or 0 for Gemma's zero-centred ones),
@@ -38,6 +38,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # what llama.cpp's GGUF cannot say (it scales queries by head_dim): another query scale, logit soft-capping
     "gemma3-scaled": ("gemma3_text", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
                                           final_logit_softcapping=3.0)),
+    # SmolLM3: llama with no rotary in every fourth layer (transformers' default no_rope_layer_interval, llama.cpp's step)
+    "smollm3": ("smollm3", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 2e6})),
     # Llama 3.2 1B/3B's shape: llama3 rotary scaling, tied embeddings
     "llama3.2": ("llama", dict(head_dim=16, tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,

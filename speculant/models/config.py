@@ -1,7 +1,7 @@
 """The shape of a Llama-family decoder, independent of where its weights come from.
 
 One `ModelConfig` covers llama (Llama 2/3, SmolLM2), qwen2 (biases on q/k/v), qwen3 (per-head q/k
-RMSNorms, explicit head_dim) and gemma3 (q/k norms, norms after attention and MLP, GeGLU, embeddings
+RMSNorms, explicit head_dim), smollm3 (llama without the rotary in every fourth layer) and gemma3 (q/k norms, norms after attention and MLP, GeGLU, embeddings
 scaled by sqrt(dim), sliding-window layers with their own rotary base, logit soft-capping). The
 architectures differ only in these switches; loaders fill them from GGUF metadata or an HF
 `config.json`, and the Transformer only ever reads this dataclass.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import SpeculantError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated MLP: SwiGLU, GeGLU with tanh GELU
 
 
@@ -54,6 +54,7 @@ class ModelConfig:
     local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (empty: none)
     rope_local_base: float | None = None  # rotary base of local layers (default rotary, no scaling); None: rope_base
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding there (SmolLM3's NoPE layers; empty: none)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -73,6 +74,8 @@ class ModelConfig:
             raise SpeculantError(f"activation {self.activation!r} is not supported (speculant runs {', '.join(ACTIVATIONS)})")
         if self.local_layers and len(self.local_layers) != self.n_layers:
             raise SpeculantError(f"local_layers lists {len(self.local_layers)} layers, the model has {self.n_layers}")
+        if self.nope_layers and len(self.nope_layers) != self.n_layers:
+            raise SpeculantError(f"nope_layers lists {len(self.nope_layers)} layers, the model has {self.n_layers}")
         if any(self.local_layers) and (self.sliding_window is None or self.sliding_window < 1):
             raise SpeculantError("sliding-window layers need a sliding_window >= 1")
 
@@ -84,7 +87,8 @@ class ModelConfig:
     def plain(self) -> bool:
         """The llama/qwen2 block exactly: what the fused C loop (fused.py) and int8 calibration run."""
         return not (self.qk_norm or self.post_norms or self.activation != "silu" or self.embed_scale is not None
-                    or self.attn_scale is not None or any(self.local_layers) or self.final_softcap is not None)
+                    or self.attn_scale is not None or any(self.local_layers) or self.final_softcap is not None
+                    or any(self.nope_layers))
 
     def local_inv_freq(self) -> list[float]:
         """Rotary inverse frequencies of the sliding-window layers (default rotary at rope_local_base)."""

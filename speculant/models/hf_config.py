@@ -23,7 +23,8 @@ from .config import ModelConfig, RopeScaling
 
 # Architecture class (or model_type) -> (engine arch, transformers' class defaults for absent fields).
 _ARCHS: Mapping[str, str] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-                             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
+                             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "SmolLM3ForCausalLM": "smollm3",
+                             "smollm3": "smollm3",
                              "llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
                              "gemma3_text": "gemma3"}
 _DEFAULTS: Mapping[str, Mapping[str, Any]] = {
@@ -32,6 +33,8 @@ _DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
     "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
+    "smollm3": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": None,
+                "tie_word_embeddings": True},
     "gemma3": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "sliding_window": 4096, "head_dim": 256,
                "rope_theta": 1_000_000.0, "tie_word_embeddings": True},
 }
@@ -107,6 +110,8 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
                   "rope_local_base": local_base}
     if any(local_layers):
         extra |= {"local_layers": local_layers, "sliding_window": window}
+    if kind == "smollm3":
+        extra["nope_layers"] = _nope_layers(c, n_layers)
     cfg = ModelConfig(
         arch="llama" if kind == "mistral" else kind,
         n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv,
@@ -190,8 +195,9 @@ def _arch(raw: Mapping[str, Any], source: str) -> str:
     kind = _ARCHS.get(name) if isinstance(name, str) else None
     if kind is None:
         raise SpeculantError(f"unsupported architecture {_show(name)} (architectures / model_type) in {source}: "
-                             "speculant runs Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text decoders (LlamaForCausalLM, "
-                             "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)")
+                             "speculant runs Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Gemma 3 text decoders (LlamaForCausalLM, "
+                             "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM, "
+                             "Gemma3ForCausalLM)")
     return kind
 
 
@@ -303,6 +309,19 @@ def _local_rope_base(c: _Fields) -> float:
     return base
 
 
+def _nope_layers(c: _Fields, n_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers without rotary: no_rope_layers (1 = rotary, 0 = none, one per layer), else every
+    no_rope_layer_interval-th layer (transformers' default 4, llama.cpp's fixed step)."""
+    flags = c.get("no_rope_layers", None)
+    if flags is None:
+        step = c.integer("no_rope_layer_interval", 4, hi=_MAX_LAYERS)
+        return tuple((i + 1) % step == 0 for i in range(n_layers))
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise SpeculantError(f"{c.source}: no_rope_layers must list 0 or 1 for each of the {n_layers} layers, "
+                             f"got {_show(flags)}")
+    return tuple(f == 0 for f in flags)
+
+
 def _need(params: Mapping[str, Any], key: str, where: Mapping[str, str], source: str, kind: str) -> Any:
     if params.get(key) is None:
         container = where["rope_type"].rsplit(".", 1)[0]
@@ -334,7 +353,7 @@ def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int,
         if any(local) and window is None:
             raise SpeculantError(f"{c.source}: sliding-window layers need a sliding_window")
         return local, window if any(local) else None
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "smollm3"):
         window = c.integer("sliding_window", default_window, hi=big) if c.flag("use_sliding_window", False) else None
         if types is None:  # transformers' rule: layers from max_window_layers on slide, if sliding is on
             first = c.integer("max_window_layers", 28, lo=0, hi=big)

@@ -26,7 +26,9 @@ _LAYER_NAMES = {
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight",
 }
-_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
+_PERMUTED = ("llama", "smollm3")  # the archs whose q/k rows llama.cpp's converter permutes
+_NOPE_STEP = 4  # llama.cpp's smollm3: no rotary in every fourth layer (src/models/smollm3.cpp)
 # llama.cpp's gemma3 defaults (src/models/gemma3.cpp, llama-hparams.h): 5 sliding-window layers then a
 # global one, and a rotary base of 10000 in the sliding-window layers. Its converter stores Gemma's
 # zero-centred norm weights with the 1 already added, so they are used as they are.
@@ -91,6 +93,8 @@ class GGUFSource:
             extra["qk_norm"] = True
         if arch == "gemma3":
             extra |= self._gemma3(arch, n_layers, dim, n_heads, head_dim)
+        if arch == "smollm3":
+            extra["nope_layers"] = tuple((i + 1) % _NOPE_STEP == 0 for i in range(n_layers))
         return ModelConfig(
             arch=arch,
             n_layers=n_layers,
@@ -144,7 +148,7 @@ class GGUFSource:
             raise SpeculantError(f"GGUF file {self.path} has no tensor {gname}; the file is incomplete")
         w = torch.from_numpy(self._load(self.tensors[gname]))
         c = self.config
-        if c.arch == "llama" and name.rsplit(".", 1)[-1] in ("q", "k", "q_bias", "k_bias"):
+        if c.arch in _PERMUTED and name.rsplit(".", 1)[-1] in ("q", "k", "q_bias", "k_bias"):
             heads = c.n_heads if ".q" in name else c.n_kv_heads
             w = _unpermute(w, heads)
         return w
@@ -169,7 +173,7 @@ class GGUFSource:
         data = self.file.raw(t).reshape(rows, rb)
         perm = None
         c = self.config
-        if c.arch == "llama" and name.rsplit(".", 1)[-1] in ("q", "k"):
+        if c.arch in _PERMUTED and name.rsplit(".", 1)[-1] in ("q", "k"):
             heads = c.n_heads if name.endswith(".q") else c.n_kv_heads
             order = _unpermute(torch.arange(rows), heads)  # new row i <- file row order[i]
             perm = torch.empty(rows, dtype=torch.int32)

@@ -89,6 +89,7 @@ class Block(nn.Module):
         self.gelu = cfg.activation == "gelu_tanh"
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd**-0.5
         self.window = cfg.sliding_window if cfg.is_local(layer) else None
+        self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])  # False: Transformer passes identity tables
         extra = extra or {}
         needed = (("q_norm", "k_norm") if cfg.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
         missing = [n for n in needed if n not in extra]
@@ -300,8 +301,12 @@ class Transformer(nn.Module):
             if self.cos_local.numel():
                 local = (self.cos_local[positions], self.sin_local[positions],
                          *_window(self.cfg.sliding_window, mask, tree, row_wise, start, positions))
+            if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
+                nope = (torch.ones_like(cos), torch.zeros_like(sin))
             for i, blk in enumerate(self.blocks):
-                if blk.window is not None:
+                if not blk.rope:
+                    x = blk(x, cache, i, start, nope[0], nope[1], mask, row_wise, keys)
+                elif blk.window is not None:
                     x = blk(x, cache, i, start, local[0], local[1], local[2], row_wise, local[3])
                 else:
                     x = blk(x, cache, i, start, cos, sin, mask, row_wise, keys)
