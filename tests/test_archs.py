@@ -131,3 +131,56 @@ def test_llama_cpp_gguf_conversion_loads_to_the_same_logits(folders, name, tmp_p
     assert gap <= 1e-4, gap
     if name == "gemma3":  # the norms are stored with Gemma's 1 added, and the 5:1 pattern is llama.cpp's default
         assert src.config.local_layers == (True,) * 5 + (False,) and src.config.rope_local_base == 10000.0
+
+
+# layout change -> words the error must contain
+REFUSED = {
+    "gemma3 attention soft-capping": ("gemma3", {"attn_logit_softcapping": 50.0}, "soft-capping"),
+    "gemma3 bidirectional (an encoder)": ("gemma3", {"use_bidirectional_attention": True}, "bidirectional"),
+    "gemma3 another activation": ("gemma3", {"hidden_activation": "silu"}, "hidden_activation"),
+    "gemma3 scaled rotary on local layers": (
+        "gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+        "sliding_attention.rope_type"),
+    "gemma3 an unknown layer type": ("gemma3", {"layer_types": ["chunked_attention"] * 6}, "chunked_attention"),
+    "qwen3 attention_bias": ("qwen3", {"attention_bias": True}, "attention_bias"),
+    "qwen3 sliding layers": ("qwen3", {"use_sliding_window": True, "sliding_window": 16,
+                                       "layer_types": ["full_attention"] * 5 + ["sliding_attention"]}, "layer 5"),
+    "smollm3 malformed no_rope_layers": ("smollm3", {"no_rope_layers": [1, 1]}, "no_rope_layers"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_these_archs_do_not_run_is_refused(folders, case):
+    import json
+
+    from speculant.errors import SpeculantError
+    from speculant.models.hf_config import config_from_hf
+
+    name, change, words = REFUSED[case]
+    raw = json.loads((folders(name) / "config.json").read_text()) | change
+    with pytest.raises(SpeculantError, match=words):
+        config_from_hf(raw, source="config.json", has_lm_head=True)
+
+
+@pytest.mark.parametrize("name", ("qwen3", "gemma3", "gemma3-scaled", "smollm3"))
+def test_damaged_configs_give_clear_errors(folders, name):
+    """The config.json fuzzer's mutations (fuzzing_hf_config.py) of these archs' configs: each parses or
+    fails with a SpeculantError, never another exception."""
+    import json
+    import random
+
+    from fuzzing_hf_config import mutate_tree
+    from speculant.errors import SpeculantError
+    from speculant.models.hf_config import config_from_hf
+
+    raw = json.loads((folders(name) / "config.json").read_text())
+    rng, parsed = random.Random(0), 0
+    for _ in range(500):
+        damaged = mutate_tree(json.loads(json.dumps(raw)), rng)
+        try:
+            config_from_hf(damaged, source="config.json", has_lm_head=True)
+            parsed += 1
+        except SpeculantError:
+            pass
+    assert 0 < parsed < 500  # some mutations are harmless (a dropped default), many are not
