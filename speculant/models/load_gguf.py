@@ -77,14 +77,23 @@ class GGUFSource:
         vocab = int(f.get(f"{arch}.vocab_size", int(embd.shape[1])))
         factors = self.tensors.get("rope_freqs.weight")
         n_layers = int(need("block_count"))
+        if n_heads < 1:
+            raise SpeculantError(f"GGUF file {self.path}: {arch}.attention.head_count is {n_heads}; it must be >= 1")
         head_dim = int(f.get(f"{arch}.attention.key_length", dim // n_heads))
+        if head_dim < 1:
+            raise SpeculantError(f"GGUF file {self.path}: the head size ({arch}.attention.key_length, or "
+                                 f"embedding_length / head_count) is {head_dim}; it must be >= 1")
         freq_factors = None if factors is None else tuple(float(x) for x in self._load(factors))
         scaling = str(f.get(f"{arch}.rope.scaling.type", "none"))
         if scaling == "linear":  # positions divided by the factor == every frequency divided by it
             if freq_factors is not None:
                 raise SpeculantError(f"GGUF file {self.path} has both rope_freqs and linear rotary scaling; "
                                      "speculant runs one or the other")
-            freq_factors = (float(f[f"{arch}.rope.scaling.factor"]),) * (head_dim // 2)
+            factor = float(f.get(f"{arch}.rope.scaling.factor", 0.0))
+            if not 0.0 < factor < float("inf"):
+                raise SpeculantError(f"GGUF file {self.path}: linear rotary scaling needs a {arch}.rope.scaling.factor "
+                                     f"> 0, got {factor}")
+            freq_factors = (factor,) * (head_dim // 2)
         elif scaling != "none":
             raise SpeculantError(f"GGUF file {self.path}: rotary scaling {scaling!r} is not supported (speculant "
                                  "runs none, linear and llama3's rope_freqs)")
