@@ -1,4 +1,4 @@
-"""One Transformer for the Llama family (llama, qwen2), batch size 1.
+"""One Transformer for the Llama family (llama, qwen2, qwen3, smollm3, gemma3: config.py's switches), batch size 1.
 
 The forward pass is the contract every decoding method builds on:
 
@@ -48,6 +48,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
 from .formats.ggml import prefill_routes
+from .keys import tree_keys, window_keys
+from .rotary import _rope, rope_tables  # noqa: F401  (rope_tables: imported from here by build.py)
 
 
 # Causal passes of up to this many tokens (decoding, speculative verification) attend row by row,
@@ -300,7 +302,7 @@ class Transformer(nn.Module):
             local = None
             if self.cos_local.numel():
                 local = (self.cos_local[positions], self.sin_local[positions],
-                         *_window(self.cfg.sliding_window, mask, tree, row_wise, start, positions))
+                         *window_keys(self.cfg.sliding_window, mask, row_wise, start, positions))
             if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
                 nope = (torch.ones_like(cos), torch.zeros_like(sin))
             for i, blk in enumerate(self.blocks):
@@ -359,14 +361,6 @@ class Transformer(nn.Module):
         return Output(torch.cat(logits), {layer: torch.cat(ts) for layer, ts in tapped.items()})
 
 
-def tree_keys(mask: Tensor, start: int, device: torch.device) -> list[Tensor]:
-    """The cache slots each row of a tree pass attends to (the committed ones, then its ancestors' rows,
-    in order), from its [S, S] mask: one read of the mask and one copy to `device` for the whole pass."""
-    m = mask.to("cpu", torch.bool)
-    rows = [torch.cat([torch.arange(start), start + r.nonzero()[:, 0]]) for r in m]
-    return list(torch.cat(rows).to(device).split([len(r) for r in rows]))
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [S, D] normalised per row, times weight [D]: one C call on CPU (torch's op costs ~30 us a call)."""
     fn = native_kernels()
@@ -404,41 +398,3 @@ def native_kernels():
         return bind_tree_kernels(native.library())
     except SpeculantError:
         return None
-
-
-def _window(window: int, mask: Tensor | None, tree: bool, row_wise: bool, start: int,
-            positions: Tensor) -> tuple[Tensor | None, list | None]:
-    """(mask, keys) of a sliding-window layer for this pass: a key is seen by a query iff the causal or
-    tree mask lets it and its position is within `window` of the query's (transformers' and llama.cpp's
-    rule: q - k < window). Committed slot j holds position j. Row-wise: the slots each row attends to
-    (slices for a causal pass, as full layers use; the same slots in the same order for a tree row as for
-    the chain that ends at it); else the SDPA mask [1, 1, S, L+S] with the window applied. The full cache is
-    kept, so a rejected draft never costs a key that a later position needs."""
-    pos = positions.tolist()
-    if row_wise and mask is None and pos == list(range(start, start + len(pos))):
-        return None, [slice(max(0, p - window + 1), p + 1) for p in pos]
-    slot_pos = torch.cat([torch.arange(start, device=positions.device), positions])
-    if row_wise:
-        if mask is None:
-            keys = [torch.arange(start + i + 1, device=positions.device) for i in range(len(pos))]
-        else:
-            keys = tree_keys(mask, start, positions.device)
-        return mask, [idx[slot_pos[idx] > p - window] for idx, p in zip(keys, pos)]
-    near = positions[:, None] - slot_pos[None, :] < window  # [S, L+S]
-    return mask & near[None, None], None
-
-
-def rope_tables(cfg: ModelConfig, n: int, local: bool = False) -> tuple[Tensor, Tensor]:
-    """cos, sin [n, hd/2] for positions 0..n-1, in float32 the way HF computes them (local: the
-    sliding-window layers' rotary)."""
-    inv_freq = torch.tensor(cfg.local_inv_freq() if local else cfg.inv_freq(), dtype=torch.float32)
-    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary embedding. x [S, heads, hd], cos/sin [S, hd/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
