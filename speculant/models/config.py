@@ -1,7 +1,10 @@
 """The shape of a Llama-family decoder, independent of where its weights come from.
 
-One `ModelConfig` covers llama (Llama 2/3, SmolLM2) and qwen2 (biases on q/k/v). Loaders fill it
-from GGUF metadata or an HF `config.json`; the Transformer only ever reads this dataclass.
+One `ModelConfig` covers llama (Llama 2/3, SmolLM2), qwen2 (biases on q/k/v), qwen3 (per-head q/k
+RMSNorms, explicit head_dim), smollm3 (llama without the rotary in every fourth layer) and gemma3 (q/k norms, norms after attention and MLP, GeGLU, embeddings
+scaled by sqrt(dim), sliding-window layers with their own rotary base, logit soft-capping). The
+architectures differ only in these switches; loaders fill them from GGUF metadata or an HF
+`config.json`, and the Transformer only ever reads this dataclass.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from dataclasses import dataclass
 
 from ..errors import SpeculantError
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated MLP: SwiGLU, GeGLU with tanh GELU
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,16 @@ class ModelConfig:
     head_dim: int = 0  # 0: dim // n_heads
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head (weights [head_dim]) before the rotary
+    post_norms: bool = False  # RMSNorms of the attention's and the MLP's outputs before the residual add
+    activation: str = "silu"
+    embed_scale: float | None = None  # embeddings times this (gemma: sqrt(dim), in float32)
+    attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
+    sliding_window: int | None = None  # local layers attend to the last `sliding_window` positions only
+    local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (empty: none)
+    rope_local_base: float | None = None  # rotary base of local layers (default rotary, no scaling); None: rope_base
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding there (SmolLM3's NoPE layers; empty: none)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -56,6 +70,30 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise SpeculantError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise SpeculantError(f"activation {self.activation!r} is not supported (speculant runs {', '.join(ACTIVATIONS)})")
+        if self.local_layers and len(self.local_layers) != self.n_layers:
+            raise SpeculantError(f"local_layers lists {len(self.local_layers)} layers, the model has {self.n_layers}")
+        if self.nope_layers and len(self.nope_layers) != self.n_layers:
+            raise SpeculantError(f"nope_layers lists {len(self.nope_layers)} layers, the model has {self.n_layers}")
+        if any(self.local_layers) and (self.sliding_window is None or self.sliding_window < 1):
+            raise SpeculantError("sliding-window layers need a sliding_window >= 1")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer (attends to the last sliding_window positions)."""
+        return bool(self.local_layers) and self.local_layers[layer]
+
+    @property
+    def plain(self) -> bool:
+        """The llama/qwen2 block exactly: what the fused C loop (fused.py) and int8 calibration run."""
+        return not (self.qk_norm or self.post_norms or self.activation != "silu" or self.embed_scale is not None
+                    or self.attn_scale is not None or any(self.local_layers) or self.final_softcap is not None
+                    or any(self.nope_layers))
+
+    def local_inv_freq(self) -> list[float]:
+        """Rotary inverse frequencies of the sliding-window layers (default rotary at rope_local_base)."""
+        base = self.rope_local_base if self.rope_local_base is not None else self.rope_base
+        return [1.0 / base ** (2 * i / self.head_dim) for i in range(self.head_dim // 2)]
 
     def inv_freq(self) -> list[float]:
         """Rotary inverse frequencies (head_dim/2 of them), with Llama 3 scaling when configured."""

@@ -69,6 +69,8 @@ class FusedBlocks:
         """The fused loop for these blocks, or None where it does not apply."""
         if not blocks or not native.available():
             return None
+        if not all(b.plain for b in blocks):  # the C loop runs the llama/qwen2 block only
+            return None
         for b in blocks:
             lins = (b.qkv, b.o, b.gate_up, b.down)
             if not all(type(m) is GGMLLinear for m in lins) or b.attn_norm.device.type != "cpu":

@@ -23,13 +23,23 @@ from .config import ModelConfig, RopeScaling
 
 # Architecture class (or model_type) -> (engine arch, transformers' class defaults for absent fields).
 _ARCHS: Mapping[str, str] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-                             "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+                             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "SmolLM3ForCausalLM": "smollm3",
+                             "smollm3": "smollm3",
+                             "llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
+                             "gemma3_text": "gemma3"}
 _DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     # transformers' LlamaConfig / Qwen2Config / MistralConfig defaults (the same in 4.45 and 5.x)
     "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "sliding_window": None},
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
     "mistral": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096, "head_dim": 128},
+    "smollm3": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "sliding_window": None,
+                "tie_word_embeddings": True},
+    "gemma3": {"max_position_embeddings": 131072, "num_key_value_heads": 4, "sliding_window": 4096, "head_dim": 256,
+               "rope_theta": 1_000_000.0, "tie_word_embeddings": True},
 }
+_GEMMA_LOCAL_THETA = 10000.0  # transformers' Gemma3TextConfig default for the sliding-window layers
+_GEMMA_PATTERN = 6  # its default sliding_window_pattern: every 6th layer is global
 _DEFAULT_THETA = 10000.0
 _RMS_EPS = 1e-6
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -49,11 +59,18 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
     defaults = _DEFAULTS[kind]
     c.refuse_set("quantization_config", "quantized checkpoints are not loaded; use the unquantized folder "
                  "(speculant quantizes it itself on load: --dtype q8_0, q4_0, int8, ...) or a GGUF file")
-    act = c.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise SpeculantError(f"{source}: hidden_act {_show(act)} is not supported; the llama/qwen2 block uses silu")
+    gemma = kind == "gemma3"
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = c.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in (("gelu_pytorch_tanh",) if gemma else ("silu", "swish")):
+        raise SpeculantError(f"{source}: {act_key} {_show(act)} is not supported; the {kind} block uses "
+                             f"{'gelu_pytorch_tanh' if gemma else 'silu'}")
     if c.flag("mlp_bias", False):
         raise SpeculantError(f"{source}: mlp_bias=true (biases on the MLP projections) is not supported")
+    if gemma:
+        c.refuse_set("attn_logit_softcapping", "soft-capping of attention scores is not supported")
+        if c.flag("use_bidirectional_attention", False):
+            raise SpeculantError(f"{source}: use_bidirectional_attention=true (an encoder) is not supported")
     if kind != "qwen2" and c.flag("attention_bias", False):
         raise SpeculantError(f"{source}: attention_bias=true (biases on q/k/v and o_proj) is not supported; "
                              "speculant runs q/k/v biases only, as qwen2 has them")
@@ -62,7 +79,7 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
     n_layers = c.integer("num_hidden_layers", hi=_MAX_LAYERS)
     dim, n_heads = c.integer("hidden_size"), c.integer("num_attention_heads")
     n_kv = c.integer("num_key_value_heads", defaults["num_key_value_heads"] or n_heads)
-    head_dim = c.integer("head_dim", 0)
+    head_dim = c.integer("head_dim", defaults.get("head_dim", 0))
     if not head_dim and dim % n_heads:
         raise SpeculantError(f"{source}: hidden_size {dim} is not divisible by num_attention_heads {n_heads} "
                              "(and no head_dim is given)")
@@ -72,17 +89,31 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
     if n_heads % n_kv:
         raise SpeculantError(f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
     context = c.integer("max_position_embeddings", defaults["max_position_embeddings"], hi=_MAX_CONTEXT)
-    rope_base, scaling, freq_factors = _rope(c, context, head_dim or dim // n_heads)
-    _check_attention_layers(c, kind, n_layers, context, defaults["sliding_window"])
+    rope_base, scaling, freq_factors = _rope(c, context, head_dim or dim // n_heads, defaults.get("rope_theta"), gemma)
+    local_layers, window = _check_attention_layers(c, kind, n_layers, context, defaults["sliding_window"])
+    local_base = _local_rope_base(c) if gemma else None
 
-    tie = c.flag("tie_word_embeddings", False)
+    tie = c.flag("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
     if not tie and not has_lm_head:
         said = ("says tie_word_embeddings false" if "tie_word_embeddings" in raw
                 else "leaves out tie_word_embeddings (which means false)")
         raise SpeculantError(f"{source} {said}, so the model has its own output layer, but the weights have "
                              "no lm_head.weight; the folder is incomplete")
+    extra: dict[str, Any] = {}
+    if kind in ("qwen3", "gemma3"):
+        extra["qk_norm"] = True
+    if gemma:
+        # transformers: embed_scale is a float32 tensor of hidden_size ** 0.5, cast to the weights' dtype
+        extra |= {"post_norms": True, "activation": "gelu_tanh", "embed_scale": float(dim**0.5),
+                  "attn_scale": c.number("query_pre_attn_scalar", 256.0) ** -0.5,
+                  "final_softcap": c.number("final_logit_softcapping", 0.0) or None,
+                  "rope_local_base": local_base}
+    if any(local_layers):
+        extra |= {"local_layers": local_layers, "sliding_window": window}
+    if kind == "smollm3":
+        extra["nope_layers"] = _nope_layers(c, n_layers)
     cfg = ModelConfig(
-        arch="qwen2" if kind == "qwen2" else "llama",
+        arch="llama" if kind == "mistral" else kind,
         n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv,
         hidden_dim=c.integer("intermediate_size"),
         vocab_size=c.integer("vocab_size"),
@@ -92,6 +123,7 @@ def config_from_hf(raw: Mapping[str, Any], *, source: str, has_lm_head: bool) ->
         head_dim=head_dim,
         qkv_bias=kind == "qwen2",
         tie_embeddings=tie,
+        **extra,
     )
     if not all(0.0 < f < _FLOAT32_MAX for f in cfg.inv_freq()):  # e.g. rope_theta 1e-320 (the tables are float32)
         raise SpeculantError(f"{source}: the rotary settings (rope_theta {rope_base}, rope_scaling / rope_parameters "
@@ -163,8 +195,9 @@ def _arch(raw: Mapping[str, Any], source: str) -> str:
     kind = _ARCHS.get(name) if isinstance(name, str) else None
     if kind is None:
         raise SpeculantError(f"unsupported architecture {_show(name)} (architectures / model_type) in {source}: "
-                             "speculant runs Llama, Mistral and "
-                             "Qwen2 decoders (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
+                             "speculant runs Llama, Mistral, Qwen2, Qwen3, SmolLM3 and Gemma 3 text decoders (LlamaForCausalLM, "
+                             "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM, "
+                             "Gemma3ForCausalLM)")
     return kind
 
 
@@ -178,12 +211,15 @@ def _check_dtype(c: _Fields) -> None:
                                  "bfloat16 and float16 checkpoints")
 
 
-def _rope(c: _Fields, context: int, head_dim: int) -> tuple[float, RopeScaling | None, tuple[float, ...] | None]:
-    """(base, Llama 3 scaling, per-frequency divisors) from either layout, as transformers merges them."""
-    params, where = _rope_dict(c)
+def _rope(c: _Fields, context: int, head_dim: int,
+          default_theta: float | None = None,
+          local_ok: bool = False) -> tuple[float, RopeScaling | None, tuple[float, ...] | None]:
+    """(base, Llama 3 scaling, per-frequency divisors) of the full-attention layers from either layout,
+    as transformers merges them."""
+    params, where = _rope_dict(c, local_ok)
     src = c.source
     theta = c.number("rope_theta", 0.0) or None
-    base = theta or _DEFAULT_THETA
+    base = theta or default_theta or _DEFAULT_THETA
     if "rope_theta" in params:
         base = _positive(params["rope_theta"], where["rope_theta"], src)
         if theta is not None and base != theta:
@@ -221,7 +257,7 @@ def _rope(c: _Fields, context: int, head_dim: int) -> tuple[float, RopeScaling |
                          "the model was not trained with it")
 
 
-def _rope_dict(c: _Fields) -> tuple[dict[str, Any], dict[str, str]]:
+def _rope_dict(c: _Fields, local_ok: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     """The one rotary settings dict: transformers 5 `rope_parameters` (flat, or nested by layer type) and
     transformers 4 `rope_scaling`, which must agree where both are present; and where each value came
     from (`rope_scaling.factor`), for errors. Null values count as absent."""
@@ -232,8 +268,9 @@ def _rope_dict(c: _Fields) -> tuple[dict[str, Any], dict[str, str]]:
         if not isinstance(value, dict):
             raise SpeculantError(f"{c.source}: {key} must be an object, got {_show(value)}")
         if value and all(isinstance(v, dict) or v is None for v in value.values()):
-            # nested by layer type ({"full_attention": {...}}); only full-attention layers are run
-            unknown = sorted(k for k in value if k != "full_attention")
+            # nested by layer type ({"full_attention": {...}}); only full-attention layers are run, but for
+            # gemma3 (local_ok), whose sliding-window layers' settings _local_rope_base reads
+            unknown = sorted(k for k in value if k != "full_attention" and not (local_ok and k == "sliding_attention"))
             if unknown:
                 raise SpeculantError(f"{c.source}: {key} has rotary settings for layer types {_show(unknown)}; "
                                      "speculant runs full-attention layers only")
@@ -251,6 +288,40 @@ def _rope_dict(c: _Fields) -> tuple[dict[str, Any], dict[str, str]]:
     return merged, where
 
 
+def _local_rope_base(c: _Fields) -> float:
+    """The rotary base of gemma3's sliding-window layers: rope_parameters.sliding_attention.rope_theta
+    (transformers 5), else rope_local_base_freq (4), else 10000; only the default rotary is run there."""
+    nested = c.get("rope_parameters", {})
+    local = nested.get("sliding_attention") if isinstance(nested, dict) else None
+    top = c.number("rope_local_base_freq", 0.0) or None
+    if not isinstance(local, dict):
+        return top or _GEMMA_LOCAL_THETA
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise SpeculantError(f"{c.source}: rope_parameters.sliding_attention.rope_type {_show(kind)} is not "
+                             "supported (the sliding-window layers run the default rotary)")
+    if local.get("rope_theta") is None:
+        return top or _GEMMA_LOCAL_THETA
+    base = _positive(local["rope_theta"], "rope_parameters.sliding_attention.rope_theta", c.source)
+    if top is not None and top != base:
+        raise SpeculantError(f"{c.source} states the local rotary base twice, differently: rope_local_base_freq "
+                             f"{top} and rope_parameters.sliding_attention.rope_theta {base}; remove one")
+    return base
+
+
+def _nope_layers(c: _Fields, n_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers without rotary: no_rope_layers (1 = rotary, 0 = none, one per layer), else every
+    no_rope_layer_interval-th layer (transformers' default 4, llama.cpp's fixed step)."""
+    flags = c.get("no_rope_layers", None)
+    if flags is None:
+        step = c.integer("no_rope_layer_interval", 4, hi=_MAX_LAYERS)
+        return tuple((i + 1) % step == 0 for i in range(n_layers))
+    if not isinstance(flags, list) or len(flags) != n_layers or any(f not in (0, 1) or isinstance(f, float) for f in flags):
+        raise SpeculantError(f"{c.source}: no_rope_layers must list 0 or 1 for each of the {n_layers} layers, "
+                             f"got {_show(flags)}")
+    return tuple(f == 0 for f in flags)
+
+
 def _need(params: Mapping[str, Any], key: str, where: Mapping[str, str], source: str, kind: str) -> Any:
     if params.get(key) is None:
         container = where["rope_type"].rsplit(".", 1)[0]
@@ -258,8 +329,10 @@ def _need(params: Mapping[str, Any], key: str, where: Mapping[str, str], source:
     return params[key]
 
 
-def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int, default_window: int | None) -> None:
-    """Every layer must be full attention over the whole context: a sliding window shorter than the
+def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int,
+                            default_window: int | None) -> tuple[tuple[bool, ...], int | None]:
+    """(per layer: sliding-window layer, the window). gemma3 runs its sliding-window layers; for the other
+    archs every layer must be full attention over the whole context: a sliding window shorter than the
     context changes attention from that length on, and speculant never silently attends to everything."""
     types = c.get("layer_types", None)
     if types is not None and (not isinstance(types, list) or len(types) != n_layers
@@ -267,7 +340,20 @@ def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int, 
         raise SpeculantError(f"{c.source}: layer_types must list one type per layer (num_hidden_layers {n_layers}) by name, "
                              f"got {_show(types)}")
     big = 1 << 62  # a window at least the context long is full attention, however long
-    if kind == "qwen2":
+    if kind == "gemma3":
+        window = c.integer("sliding_window", default_window, hi=big)
+        if types is None:  # transformers' rule: every sliding_window_pattern-th layer is global
+            pattern = c.integer("sliding_window_pattern", _GEMMA_PATTERN, hi=big)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+        if bad:
+            raise SpeculantError(f"{c.source}: layer type {_show(bad[0])} is not supported (full_attention, "
+                                 "sliding_attention)")
+        local = tuple(t == "sliding_attention" for t in types)
+        if any(local) and window is None:
+            raise SpeculantError(f"{c.source}: sliding-window layers need a sliding_window")
+        return local, window if any(local) else None
+    if kind in ("qwen2", "qwen3", "smollm3"):
         window = c.integer("sliding_window", default_window, hi=big) if c.flag("use_sliding_window", False) else None
         if types is None:  # transformers' rule: layers from max_window_layers on slide, if sliding is on
             first = c.integer("max_window_layers", 28, lo=0, hi=big)
@@ -290,3 +376,4 @@ def _check_attention_layers(c: _Fields, kind: str, n_layers: int, context: int, 
                 f"{c.source}: layer {i} uses sliding-window attention (sliding_window {window} < context "
                 f"{context}), which speculant does not run: it runs full attention, which equals a sliding "
                 "window only when the window is at least max_position_embeddings long")
+    return (), None

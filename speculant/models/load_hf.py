@@ -4,7 +4,7 @@ Only safetensors are read (never pickle), so nothing in a model folder can execu
 folder is read through `model.safetensors.index.json` (only the files it names, so stray files such as
 Mistral's `consolidated.safetensors` or an adapter are never mixed in). Every tensor is checked up
 front: a float dtype (float32, bfloat16, float16), a shape that matches the config, and a place in the
-llama/qwen2 block; a tensor the block has no place for (an o_proj bias, q/k norms) is an error, because
+architecture's block; a tensor the block has no place for (an o_proj bias, a llama's q/k norms) is an error, because
 dropping it would silently change the model's output.
 """
 
@@ -30,6 +30,17 @@ _LAYER_NAMES = {
     "v_bias": "self_attn.v_proj.bias", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
 }
+# The per-arch differences: Qwen3 and Gemma 3 norm each q/k head; Gemma 3 has norms after attention and the MLP,
+# and its post_attention_layernorm is one of those (its pre-MLP norm is pre_feedforward_layernorm).
+_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+_ARCH_NAMES = {
+    "qwen3": _QK_NORMS,
+    "gemma3": _QK_NORMS | {"ffn_norm": "pre_feedforward_layernorm.weight",
+                           "post_attn_norm": "post_attention_layernorm.weight",
+                           "post_ffn_norm": "post_feedforward_layernorm.weight"},
+}
+# Gemma's RMSNorms multiply by (1 + weight): the weights are stored zero-centred.
+_NORM_OFFSET_ARCHS = ("gemma3",)
 _GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 _FLOAT = {"F32", "BF16", "F16"}
 # Buffers some checkpoints carry that the model recomputes (old Llama conversions saved the rotary table).
@@ -52,6 +63,7 @@ class HFSource:
                 self._where[key] = handle
         raw = _read_config(path / "config.json")
         self.config = config_from_hf(raw, source=str(path / "config.json"), has_lm_head="lm_head.weight" in self._where)
+        self._names = _LAYER_NAMES | _ARCH_NAMES.get(self.config.arch, {})
         self._shapes = _expected_shapes(self.config)
         self._check_tensors()
 
@@ -69,7 +81,10 @@ class HFSource:
         key = self._hf_name(name)
         if key not in self._where:
             raise SpeculantError(f"{self.path} has no tensor {key}; the model folder is incomplete")
-        return self._where[key].get_tensor(key).to(torch.float32)
+        w = self._where[key].get_tensor(key).to(torch.float32)
+        if self.config.arch in _NORM_OFFSET_ARCHS and (name == "norm" or name.endswith("norm")):
+            w = w + 1.0  # in float32, as transformers' Gemma3RMSNorm computes (1.0 + weight.float())
+        return w
 
     def _check_tensors(self) -> None:
         """dtype, shape and purpose of every tensor, before any is read."""
@@ -108,12 +123,11 @@ class HFSource:
                                  f"{self.config.n_layers}, tie_word_embeddings {str(self.config.tie_embeddings).lower()}) "
                                  f"needs, e.g. {missing[0]}; the model folder is incomplete")
 
-    @staticmethod
-    def _hf_name(name: str) -> str:
+    def _hf_name(self, name: str) -> str:
         if name in _GLOBAL_NAMES:
             return _GLOBAL_NAMES[name]
         _, i, part = name.split(".")
-        return f"model.layers.{i}.{_LAYER_NAMES[part]}"
+        return f"model.layers.{i}.{self._names[part]}"
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -124,10 +138,15 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "up": (cfg.hidden_dim, cfg.dim), "down": (cfg.dim, cfg.hidden_dim)}
     if cfg.qkv_bias:
         per_layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    if cfg.qk_norm:
+        per_layer |= {"q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+    if cfg.post_norms:
+        per_layer |= {"post_attn_norm": (cfg.dim,), "post_ffn_norm": (cfg.dim,)}
+    names = _LAYER_NAMES | _ARCH_NAMES.get(cfg.arch, {})
     shapes = {_GLOBAL_NAMES["embed"]: (cfg.vocab_size, cfg.dim), _GLOBAL_NAMES["norm"]: (cfg.dim,),
               _GLOBAL_NAMES["lm_head"]: (cfg.vocab_size, cfg.dim)}
     for i in range(cfg.n_layers):
-        shapes |= {f"model.layers.{i}.{_LAYER_NAMES[p]}": s for p, s in per_layer.items()}
+        shapes |= {f"model.layers.{i}.{names[p]}": s for p, s in per_layer.items()}
     return shapes
 
 

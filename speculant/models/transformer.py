@@ -1,4 +1,4 @@
-"""One Transformer for the Llama family (llama, qwen2), batch size 1.
+"""One Transformer for the Llama family (llama, qwen2, qwen3, smollm3, gemma3: config.py's switches), batch size 1.
 
 The forward pass is the contract every decoding method builds on:
 
@@ -48,6 +48,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
 from .formats.ggml import prefill_routes
+from .keys import tree_keys, window_keys
+from .rotary import _rope, rope_tables  # noqa: F401  (rope_tables: imported from here by build.py)
 
 
 # Causal passes of up to this many tokens (decoding, speculative verification) attend row by row,
@@ -72,8 +74,12 @@ class Output:
 
 
 class Block(nn.Module):
+    """One decoder layer. `extra` holds the norms of the architectures that have them (ModelConfig's
+    switches): q_norm / k_norm [head_dim] (qk_norm), post_attn_norm / post_ffn_norm [D] (post_norms)."""
+
     def __init__(self, cfg: ModelConfig, attn_norm: Tensor, qkv: QLinear, o: QLinear,
-                 ffn_norm: Tensor, gate_up: QLinear, down: QLinear) -> None:
+                 ffn_norm: Tensor, gate_up: QLinear, down: QLinear, *, layer: int = 0,
+                 extra: dict[str, Tensor] | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.Parameter(attn_norm.float(), requires_grad=False)
         self.ffn_norm = nn.Parameter(ffn_norm.float(), requires_grad=False)
@@ -81,23 +87,57 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.eps = cfg.norm_eps
         self.hidden_dim = cfg.hidden_dim
+        self.plain = cfg.plain
+        self.gelu = cfg.activation == "gelu_tanh"
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd**-0.5
+        self.window = cfg.sliding_window if cfg.is_local(layer) else None
+        self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])  # False: Transformer passes identity tables
+        extra = extra or {}
+        needed = (("q_norm", "k_norm") if cfg.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
+        missing = [n for n in needed if n not in extra]
+        if missing:
+            raise SpeculantError(f"layer {layer} lacks its {', '.join(missing)} weights")
+        for n in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
+            setattr(self, n, nn.Parameter(extra[n].float(), requires_grad=False) if n in needed else None)
+
+    def extras(self) -> dict[str, Tensor]:
+        """The norms beyond attn_norm / ffn_norm, by name (what `extra` took)."""
+        return {n: getattr(self, n) for n in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+                if getattr(self, n) is not None}
 
     def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
                 mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
         """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1.
 
         mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S].
-        keys: a tree pass's `tree_keys` (off the CPU: read from the mask once per pass, not per layer)."""
-        h = rms_norm(x, self.attn_norm, self.eps)
-        x = x + self._attention(h, cache, layer, start, cos, sin, mask, row_wise, keys)
+        keys: the cache slots each row attends to, where given (a tree pass off the CPU, a sliding-window
+        layer: Transformer.forward reads them once per pass, not per layer)."""
+        h = self._attention(rms_norm(x, self.attn_norm, self.eps), cache, layer, start, cos, sin, mask, row_wise, keys)
+        if self.post_attn_norm is not None:
+            h = rms_norm(h, self.post_attn_norm, self.eps)
+        x = x + h
         h = self.gate_up(rms_norm(x, self.ffn_norm, self.eps))  # [S, 2F]
-        return x + self.down(swiglu(h, self.hidden_dim))
+        h = self.down(geglu(h, self.hidden_dim) if self.gelu else swiglu(h, self.hidden_dim))
+        if self.post_ffn_norm is not None:
+            h = rms_norm(h, self.post_ffn_norm, self.eps)
+        return x + h
+
+    def _qk_norm(self, qkv: Tensor, S: int) -> Tensor:
+        """qkv with each query and key head RMS-normed (row by row, so batch-invariant)."""
+        H, Hkv, hd = self.n_heads, self.n_kv, self.hd
+        q = rms_norm(qkv[:, : H * hd].reshape(S * H, hd), self.q_norm, self.eps).view(S, H * hd)
+        k = rms_norm(qkv[:, H * hd : (H + Hkv) * hd].reshape(S * Hkv, hd), self.k_norm, self.eps).view(S, Hkv * hd)
+        return torch.cat([q, k, qkv[:, (H + Hkv) * hd :]], 1)
 
     def _attention(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
                    mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
-        lib = native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv, S)
+        # the C kernel scales queries by hd ** -0.5 and attends to every committed slot
+        lib = (native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 and self.window is None
+               and self.scale == hd**-0.5 else None)
         if lib is not None:
             # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c)
             qkv = qkv.contiguous()
@@ -123,18 +163,21 @@ class Block(nn.Module):
             # real flips). Three plain ops per row: for one query SDPA's flash kernel costs more.
             # A tree row attends to its ancestors: gathered after the committed slots, they are the keys
             # of the chain that ends at it, in the same order.
-            qs = (qk[:, :H] * hd**-0.5).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
-            if mask is None:
+            qs = (qk[:, :H] * self.scale).view(S, Hkv, H // Hkv, hd)  # [S, Hkv, H/Hkv, hd], contiguous rows
+            if keys is not None:
+                seen = keys
+            elif mask is None:
                 seen = [slice(0, start + i + 1) for i in range(S)]
             else:
-                seen = keys if keys is not None else tree_keys(mask, start, x.device)
+                seen = tree_keys(mask, start, x.device)
             out = torch.cat([
                 torch.bmm(torch.bmm(qs[i], k[:, idx].transpose(1, 2)).softmax(-1), v[:, idx])
                 .view(1, H * hd)  # [Hkv, H/Hkv, hd] -> [1, H hd], heads in order
                 for i, idx in enumerate(seen)
             ])
         else:
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True,
+                                                 scale=None if self.scale == hd**-0.5 else self.scale)
             out = out[0].transpose(0, 1).reshape(S, H * hd)
         return self.o(out)
 
@@ -169,6 +212,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg, cfg.context_length)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        local = any(cfg.local_layers)
+        cos, sin = rope_tables(cfg, cfg.context_length, local=True) if local else (cos[:0], sin[:0])
+        self.register_buffer("cos_local", cos, persistent=False)
+        self.register_buffer("sin_local", sin, persistent=False)
         self._fused = None  # FusedBlocks, False where it does not apply, None until the first short pass
         self.kv_dtype = torch.float32  # of the caches new_cache makes (cache.py: KV_DTYPES)
 
@@ -243,6 +290,8 @@ class Transformer(nn.Module):
             mask = mask.to(torch.bool)[None, None]  # [1, 1, S, L+S]
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
         x = self.embed(tokens)  # [S, D]
+        if self.cfg.embed_scale is not None:
+            x = x * self.cfg.embed_scale
         fused = self.fused_blocks() if row_wise else None
         if fused is not None:
             x, tapped = fused(x, cache, start, cos, sin, mask, taps)
@@ -250,8 +299,19 @@ class Transformer(nn.Module):
             tapped = {}
             # the CPU reads the mask row by row for free; a GPU would wait for its queue at every read
             keys = tree_keys(mask, start, x.device) if tree and row_wise and x.device.type != "cpu" else None
+            local = None
+            if self.cos_local.numel():
+                local = (self.cos_local[positions], self.sin_local[positions],
+                         *window_keys(self.cfg.sliding_window, mask, row_wise, start, positions))
+            if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
+                nope = (torch.ones_like(cos), torch.zeros_like(sin))
             for i, blk in enumerate(self.blocks):
-                x = blk(x, cache, i, start, cos, sin, mask, row_wise, keys)
+                if not blk.rope:
+                    x = blk(x, cache, i, start, nope[0], nope[1], mask, row_wise, keys)
+                elif blk.window is not None:
+                    x = blk(x, cache, i, start, local[0], local[1], local[2], row_wise, local[3])
+                else:
+                    x = blk(x, cache, i, start, cos, sin, mask, row_wise, keys)
                 if i in taps:
                     tapped[i] = x
         cache.length = end
@@ -261,7 +321,11 @@ class Transformer(nn.Module):
             h = h if logit_rows is None else h[logit_rows]
         else:
             h = rms_norm(x if logit_rows is None else x[logit_rows], self.norm, self.cfg.norm_eps)
-        return Output((head or self.lm_head)(h), tapped)
+        logits = (head or self.lm_head)(h)
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return Output(logits, tapped)
 
     def prefill_chunk(self) -> int:
         """Tokens per pass of a long causal pass on the CPU: short passes through the fused blocks where
@@ -297,14 +361,6 @@ class Transformer(nn.Module):
         return Output(torch.cat(logits), {layer: torch.cat(ts) for layer, ts in tapped.items()})
 
 
-def tree_keys(mask: Tensor, start: int, device: torch.device) -> list[Tensor]:
-    """The cache slots each row of a tree pass attends to (the committed ones, then its ancestors' rows,
-    in order), from its [S, S] mask: one read of the mask and one copy to `device` for the whole pass."""
-    m = mask.to("cpu", torch.bool)
-    rows = [torch.cat([torch.arange(start), start + r.nonzero()[:, 0]]) for r in m]
-    return list(torch.cat(rows).to(device).split([len(r) for r in rows]))
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [S, D] normalised per row, times weight [D]: one C call on CPU (torch's op costs ~30 us a call)."""
     fn = native_kernels()
@@ -327,6 +383,11 @@ def swiglu(h: Tensor, hidden: int) -> Tensor:
     return out
 
 
+def geglu(h: Tensor, hidden: int) -> Tensor:
+    """h [S, 2F] = gate | up -> gelu_tanh(gate) * up [S, F] (Gemma's MLP)."""
+    return F.gelu(h[:, :hidden], approximate="tanh") * h[:, hidden:]
+
+
 @functools.cache
 def native_kernels():
     """The C kernels of short passes and per-row ops (speculant/kernels/), or None where they cannot be built."""
@@ -337,18 +398,3 @@ def native_kernels():
         return bind_tree_kernels(native.library())
     except SpeculantError:
         return None
-
-
-def rope_tables(cfg: ModelConfig, n: int) -> tuple[Tensor, Tensor]:
-    """cos, sin [n, hd/2] for positions 0..n-1, in float32 the way HF computes them."""
-    inv_freq = torch.tensor(cfg.inv_freq(), dtype=torch.float32)
-    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary embedding. x [S, heads, hd], cos/sin [S, hd/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
