@@ -40,7 +40,8 @@ if [ ! -d "$DEST" ]; then
         echo "llama.cpp build failed before (log: $FAILED); delete that file to try again" >&2
         exit 5
     fi
-    WORK=$(mktemp -d "$BASE/.work-XXXXXX")
+    rm -rf "$BASE/.work-$VERSION-$CPUKEY-"*  # a killed build's leftovers (the lock says none is running)
+    WORK=$(mktemp -d "$BASE/.work-$VERSION-$CPUKEY-XXXXXX")
     trap 'rm -rf "$WORK"' EXIT
     LOG="$WORK/build.log"
     echo "building llama.cpp (llama-cpp-python $VERSION) into $DEST; log: $LOG" >&2

@@ -73,6 +73,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     llama_model_params model_params = llama_model_default_params();
     model_params.n_gpu_layers = 0;
+    model_params.progress_callback = [](float, void *) { return true; };  // no loading dots on stderr
     llama_model * model = llama_model_load_from_file(model_path.c_str(), model_params);
     if (model == NULL) {
         fprintf(stderr, "error: unable to load model %s\n", model_path.c_str());

