@@ -8,7 +8,7 @@
 #   cmake --build build -j --target llama-bench llama-perplexity llama-quantize
 # Usage: LLAMA_CPP_BIN=build/bin bash scripts/vs_llama_cpp.sh [PRESET]
 set -euo pipefail
-B=${LLAMA_CPP_BIN:?set LLAMA_CPP_BIN to the folder holding llama-bench and llama-perplexity}
+B=${LLAMA_CPP_BIN:-$(PYTHON=${PYTHON:-.venv/bin/python} bash "$(dirname "$0")/build_llama_cpp.sh" | tail -n 1)/bin}
 NAME=${1:-qwen2.5-coder-1.5b-instruct}
 PY=${PYTHON:-.venv/bin/python}
 M=$($PY -c "from speculant.hub import resolve_model; print(resolve_model('$NAME'))")
