@@ -87,18 +87,15 @@ def test_emitted_tokens_follow_target_distribution(k, one_hot_q):
     q = torch.stack([_random_dist(g) for _ in range(k)])  # [k, V]
     p_dist, q_dist = dist(p, g), dist(q, g)
     n_rounds = 100_000
-    counts = torch.zeros(k + 1, V)
-    totals = torch.zeros(k + 1)
-    for _ in range(n_rounds):
-        if one_hot_q:
-            draft = torch.multinomial(q, 1, generator=g)[:, 0]  # lookup: a deterministic proposal per round
-            tokens, n = verify_sampled(draft, None, p_dist, g)
-        else:
-            draft = torch.multinomial(q, 1, generator=g)[:, 0]
-            tokens, n = verify_sampled(draft, q_dist, p_dist, g)
-        m = int(n) + 1
-        counts[torch.arange(m), tokens[:m]] += 1
-        totals[:m] += 1
+    # The drafts of every round drawn at once, and the emitted tokens counted at the end: the rounds
+    # cost one verify_sampled call each (lookup: a deterministic proposal per round, so q is None).
+    drafts = torch.multinomial(q, n_rounds, replacement=True, generator=g).T.contiguous()  # [n_rounds, k]
+    q_arg = None if one_hot_q else q_dist
+    outs = [verify_sampled(draft, q_arg, p_dist, g) for draft in drafts]
+    tokens = torch.stack([t for t, _ in outs])  # [n_rounds, k+1]
+    emitted = torch.arange(k + 1) <= torch.stack([n for _, n in outs])[:, None]  # [n_rounds, k+1]
+    counts = torch.stack([torch.bincount(tokens[emitted[:, j], j], minlength=V) for j in range(k + 1)]).float()
+    totals = emitted.sum(0)
     for j in range(k + 1):
         if totals[j] < 2000:
             continue

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from speculant.candidates import Dist, draw
+from speculant.candidates import Dist
 from speculant.tree import DraftTree
 from speculant.verify_tree import verify_tree_greedy, verify_tree_sampled
 
@@ -84,7 +84,7 @@ def draft_tree(draft: Toy, widths: list[int], mode: str, g: torch.Generator, wro
                 if mode == "topb":
                     x = int(r.argsort(descending=True, stable=True)[j])
                 else:
-                    x = int(draw(Dist(torch.arange(V)[None], (left / left.sum() if mode == "without" else r)[None], V), g))
+                    x = int(torch.multinomial(left if mode == "without" else r, 1, generator=g))
                     left[x] = 0.0
                 tokens.append(x)
                 parents.append(par)
