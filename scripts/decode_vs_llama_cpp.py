@@ -7,7 +7,7 @@ prompt), the model loaded once, between two `torch.sum` reads of 1 GiB (bench.sp
 engine's tok/s times the weight bytes a token reads (the file's, the same for both) is the bandwidth its
 decode uses, printed as a fraction of the round's mean `torch.sum` bandwidth: how far from the memory wall each is.
 
-    .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin /work/peer/build/bin [--rounds 4] [--model M]
+    .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin LLAMA_CPP/build/bin [--rounds 4] [--model M]
 """
 
 from __future__ import annotations

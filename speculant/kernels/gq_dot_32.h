@@ -38,9 +38,8 @@ static inline __attribute__((always_inline)) void dot_32_last(
 /* u of blocks b and b + 1 (lanes 0-7 and 8-15) at p: u32_avx2's bytes. For the 4- and 5-bit types both
  * blocks are built at once. The nibbles of both come from one permute, one variable shift and one mask,
  * and Q5's fifth bits go in as a byte mask (bit l of qh is byte l's), where u32_avx2 spreads them with
- * six AVX2 operations per block. With dot_32_pair's one multiply for both blocks' d * dx, a harness
- * (gq.c in a C timer, not in the repo; 1 thread, Q5_0 2048x896 in cache, AMD EPYC) measured per 256
- * values: M = 1 17.9-18.0 -> 16.0-16.5 ns, M = 8 62.0-62.6 -> 50.4-55.2 ns; Q8_0 M = 8 52.0-52.8 -> 48.5. */
+ * six AVX2 operations per block. With dot_32_pair's one multiply for both blocks' d * dx this is 10-20%
+ * faster per block (docs/measurements.md "Kernel choices"). */
 static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, float *d1, float *o0, float *o1) {
     if (t == Q8_0) { /* whole bytes: u32_avx2's two vectors side by side */
         const __m256i u0 = u32_avx2(t, p, d0, o0), u1 = u32_avx2(t, p + bb, d1, o1);

@@ -39,11 +39,9 @@ from .lookup import LookupDrafter
 
 HYBRID_MIN_NGRAM = 2  # default shortest n-gram a hybrid round takes a lookup draft from (see LookupConfig)
 # Default prompt tokens hybrid's draft model reads (DraftModelConfig.context; the window is the last 128 to
-# 191): lookup still sees the whole prompt. `bench methods`: Spec-Bench summarization/rag (~600-1,000-token
-# prompts, 5 each) 1.21x/1.12x with the whole prompt -> 1.28x/1.26x with 256. Then 256 -> 128 (2026-11-27,
-# Zen 4, `--methods ar hybrid hybrid:ctx=64 hybrid:ctx=128`, outputs identical to ar): HumanEval 20 1.37x ->
-# 1.39x and 1.46x -> 1.49x in two runs (64: 1.40x, 1.51x); Spec-Bench summarization+rag, 3 each, 1.08x ->
-# 1.13x (64: 1.13x, but decode 1.46x -> 1.40x from shorter accepted runs, where 128 kept 1.45x).
+# 191): lookup still sees the whole prompt. A short window makes the draft's prefill of long prompts cheap, and
+# 128 was faster than the whole prompt, 256 and 64 (`bench methods --methods ar hybrid hybrid:ctx=64
+# hybrid:ctx=128`; docs/measurements.md "Hybrid's draft context").
 HYBRID_DRAFT_CONTEXT = 128
 CHECKS = ("auto", "always", "never")
 
