@@ -250,3 +250,29 @@ def test_no_comment_names_a_path_outside_the_repo():
     hits = comments_naming_outside_paths(files)
     assert not hits, "comments naming paths outside the repository (name a script in scripts/ instead):\n" + \
         "\n".join(hits)
+
+
+# -- comments that cite docs/measurements.md name one of its sections ---------------------------------
+
+def cited_sections(text: str) -> list[str]:
+    """The section names quoted after `docs/measurements.md` (a citation may wrap over comment lines)."""
+    found = []
+    for m in re.finditer(r'docs/measurements\.md[\s#*/]*"([^"]{1,120})"', text):
+        found.append(re.sub(r"\s*(?:\n\s*(?:#|\*|//)?)\s*", " ", m.group(1)).strip())
+    return found
+
+
+def test_cited_sections_read_across_comment_lines():
+    text = '# see docs/measurements.md "Draft heads trained\n    # here"; and /* docs/measurements.md "Kernel\n * choices" */'
+    assert cited_sections(text) == ["Draft heads trained here", "Kernel choices"]
+
+
+def test_measurement_citations_name_existing_sections():
+    headings = set(re.findall(r"^#+ (.+?)\s*$", (ROOT / "docs" / "measurements.md").read_text(), re.M))
+    missing = []
+    for d in (PACKAGE, ROOT / "scripts"):
+        for path in sorted(d.rglob("*")):
+            if path.suffix in _READERS:
+                missing += [f"{path.relative_to(ROOT)}: {s!r}" for s in cited_sections(path.read_text())
+                            if s not in headings]
+    assert not missing, "citations of docs/measurements.md sections that do not exist:\n" + "\n".join(missing)

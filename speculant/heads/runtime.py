@@ -25,7 +25,8 @@ class HeadsConfig:
     # Tree nodes the target checks per round (the pass has 1 + nodes rows). Every extra row costs a
     # part of a step in the block-format kernels (without AMX a pass of 11 rows costs ~4 one-token
     # passes, of 5 rows ~2; `scripts/step_timing.py`), so the tree is small: a larger tree was slower
-    # (`bench methods`, docs/measurements.md "Draft heads").
+    # (`bench methods`, docs/measurements.md "Draft heads trained
+    # here").
     nodes: int = 4
     depth: int = 4  # EAGLE: draft steps (tree depth) per round
     topk: int = 2  # EAGLE: children per expanded node, and nodes expanded per step

@@ -106,7 +106,7 @@ class DraftModelDrafter:
     def start(self, prompt: list[int]) -> None:
         """Take the prompt; its prefill waits for the first draft. Where the governor runs plain rounds
         only (speculation measured slower in the engine's earlier generations), it is never paid: on
-        Spec-Bench's long prompts it was up to a tenth of a plain generation's time (stop 25's note)."""
+        Spec-Bench's long prompts it was up to a tenth of a plain generation's time (`bench methods`)."""
         self.waiting, self.after = list(prompt[window_start(len(prompt), self.cfg.context or 0) :]), []
         self.last = None
 
