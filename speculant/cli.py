@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "a preset name or a file name from `cache ls`")
 
     from .bench.cli import add_bench_parser
-    from .heads.cli import add_heads_parsers
+    from .training.cli import add_heads_parsers
 
     add_bench_parser(sub)
     add_heads_parsers(sub)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_bench(args)
         if args.command in ("train-heads", "export-heads"):
-            from .heads.cli import cmd_export_heads, cmd_train_heads
+            from .training.cli import cmd_export_heads, cmd_train_heads
 
             return (cmd_train_heads if args.command == "train-heads" else cmd_export_heads)(args)
         return handlers[args.command](args)

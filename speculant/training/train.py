@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculantError
+from ..heads.config import HEAD_METHODS, default_config
+from ..heads.formats import save_head, save_stats
+from ..heads.modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .answers import AnswerConfig, answer, answers_folder
-from .config import HEAD_METHODS, default_config
 from .data import DataConfig, batches, sequences
 from .features import Features, extract
-from .formats import save_head, save_stats
-from .modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .objectives import eagle_loss, medusa_loss
 
 ANSWER_SHARE = 0.35  # of the time budget, at most, for the target's answers to --prompts
