@@ -1,6 +1,6 @@
 """Decode tok/s of speculant's `gguf` default and llama.cpp's `llama-bench` tg64, alternated in one process.
 
-Memory speed on a shared host swings by 1.5x within minutes, so a decode comparison made of one run of each
+Memory speed on a shared host swings widely within minutes, so a decode comparison made of one run of each
 (scripts/vs_llama_cpp.sh's before/after) can land in different minutes. Here each round runs llama-bench
 (-p 0 -n 64 -r 3: the mean of 3) and then two greedy 64-token decodes of ours (bench.speed.decode_tps, after a 256-token
 prompt), the model loaded once, between two `torch.sum` reads of 1 GiB (bench.speed.measure_bandwidth). Each

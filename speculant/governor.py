@@ -37,8 +37,8 @@ class GovernorConfig:
     hold: int = 12  # rounds with the faster arm before probing the other again; doubles while it stays faster
     # The schedule goes on across an engine's generations (GovernorMemory), so up to 768 rounds (6 answers of
     # 128 tokens) pass between probes of a settled choice. With 192, a probe came every ~1.5 answers, and
-    # a probe of a draft model that sat idle pays its prompt prefill first: on Spec-Bench (26 prompts, 96% of
-    # rounds plain) `draft` still ran at 0.91x `ar`, decoding 8.9 s slower with 12.2 s of drafting in probes.
+    # a probe of a draft model that sat idle pays its prompt prefill first, and on Spec-Bench that kept
+    # `draft` below `ar` even with nearly all rounds plain (docs/measurements.md "Governor").
     max_hold: int = 768
 
     def __post_init__(self) -> None:

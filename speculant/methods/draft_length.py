@@ -51,8 +51,8 @@ class DraftLengthConfig:
     """How many tokens to draft per round (the module docstring).
 
     max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with 4-bit weights
-    (k=8 costs 1.8x k=1 on the 1.5B target): on HumanEval max_k=6 beat 16 for draft (1.28x vs
-    1.20x) and hybrid (1.37x vs 1.33x) in one `speculant bench methods` run.
+    (`speculant bench speed`'s cost curve): on HumanEval max_k=6 beat 16 for draft and hybrid
+    (`speculant bench methods`; docs/measurements.md "Draft length").
     """
 
     k: int = 4
