@@ -69,7 +69,7 @@ static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, floa
 
 /* dot_32_raw's pairs of blocks: returns the index of the first block left (nb - 1 when nb is odd). Called
  * with t = Q8_0 as a constant, so that each type's loop is compiled without the other's branch (a branch
- * per pair measured slower on Q8_0 at M = 8 in the harness: 55-62 vs 52 ns per 256 values). */
+ * per pair measured slower on Q8_0 at M = 8; docs/measurements.md "Kernel choices"). */
 static inline __attribute__((always_inline)) int64_t dot_32_pairs(
     const int R, const int t, const uint8_t *wrow, const int bb, const int64_t nb, const int8_t *xq, const int64_t K,
     const float *xd, const float *xs, __m512 *acc, float *tt) {
