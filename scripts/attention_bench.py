@@ -8,7 +8,7 @@ Defaults: the 1.5B target's shape (Qwen2.5-Coder-1.5B); the 0.5B draft is --head
 layer, each layer with its own cache (streamed from memory, as in a forward) and, for comparison, all
 calls on one layer's cache (cache-resident), with the multiply-adds per second per thread; with
 --kv-dtypes f32 f16 q8_0: the cache types side by side (the repeats alternate between them).
-Compare two trees side by side in one sitting (memory speed drifts): run it from each.
+Compare two trees side by side in alternation (memory speed drifts): run it from each.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Decode tok/s of speculant's `gguf` default and llama.cpp's `llama-bench` tg64, alternated in one process.
 
-Memory speed on a shared host swings by 1.5x within minutes, so a decode comparison made of one run of each
+Memory speed on a shared host swings widely within minutes, so a decode comparison made of one run of each
 (scripts/vs_llama_cpp.sh's before/after) can land in different minutes. Here each round runs llama-bench
 (-p 0 -n 64 -r 3: the mean of 3) and then two greedy 64-token decodes of ours (bench.speed.decode_tps, after a 256-token
 prompt), the model loaded once, between two `torch.sum` reads of 1 GiB (bench.speed.measure_bandwidth). Each
 engine's tok/s times the weight bytes a token reads (the file's, the same for both) is the bandwidth its
 decode uses, printed as a fraction of the round's mean `torch.sum` bandwidth: how far from the memory wall each is.
 
-    .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin /work/peer/build/bin [--rounds 4] [--model M]
+    .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin LLAMA_CPP/build/bin [--rounds 4] [--model M]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Decoding while other processes keep the cores busy (README "Cores shared with other processes"):
+# Decoding while other processes keep the cores busy (docs/measurements.md "Cores shared with other processes"):
 # `speculant generate --method ar` with the default threads (they follow the CPUs other processes leave
 # free: runtime.ThreadShare), then fixed at one per core and at 1, with 0, 1 and 2 busy processes beside
 # it (a Python busy loop each); with LLAMA_CPP_BIN, llama.cpp's `llama-bench -n 64` too.

@@ -1,9 +1,8 @@
 #!/bin/bash
-# speculant's `gguf` default and llama.cpp side by side on one GGUF file, in one run (README "Measured here").
-# Needs a llama.cpp build with the CPU's native flags; from the llama-cpp-python sdist:
-#   curl -LO "$(curl -s https://pypi.org/simple/llama-cpp-python/ | grep -o 'https://[^"#]*-0.3.36.tar.gz' | head -1)"
-#   tar xf llama_cpp_python-*.tar.gz   (`pip download --no-binary :all:` works too, but first builds its
-#   build tools from source: minutes on 2 cores)
+# speculant's `gguf` default and llama.cpp side by side on one GGUF file, in one run (docs/measurements.md).
+# Needs a llama.cpp build with the CPU's native flags; from the llama-cpp-python sdist, fetched by pip:
+#   .venv/bin/pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
+#   tar xf llama_cpp_python-*.tar.gz
 #   cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -DGGML_NATIVE=ON -DGGML_OPENMP=ON
 #   cmake --build build -j --target llama-bench llama-perplexity llama-quantize
 # Usage: LLAMA_CPP_BIN=build/bin bash scripts/vs_llama_cpp.sh [PRESET]

@@ -1,10 +1,9 @@
 """The speculation governor: plain decoding while speculation is measured to lose.
 
 Speculation pays only when a round's tokens beat its cost in target steps (tau > c + r). Where each
-extra verified row costs a good part of a step (2 Zen 4 cores, Q4_K: `speculant bench speed` gives
-4 tokens at 2.4x one), the 0.5B draft, prompt lookup and hybrid run at 0.75-0.93x `ar` on Spec-Bench
-(`speculant bench methods --dataset specbench --count 2`, stop 21's note), while on HumanEval the same
-methods win. Which case a generation is in shows only while it runs, so the governor measures it: a
+extra verified row costs a good part of a step (`speculant bench speed`'s cost curve), the 0.5B draft,
+prompt lookup and hybrid ran slower than `ar` on Spec-Bench (`speculant bench methods --dataset specbench`;
+docs/measurements.md "Governor"), while on HumanEval the same methods win. Which case a generation is in shows only while it runs, so the governor measures it: a
 two-armed bandit on wall time. It starts speculating, then probes plain rounds (k = 0: the target's
 next token alone; the drafter is told what was emitted, as after any round), keeps the arm with more
 tokens per second for `hold` rounds, probes the other arm again, and doubles `hold` while the choice
@@ -33,13 +32,13 @@ class GovernorConfig:
     mode: str = "auto"
     # Rounds of the other arm in a probe, all timed: a draft model catching up on the tokens it skipped
     # is paid at every switch, so it counts against switching (leaving it out measured the same within
-    # noise: draft 0.88x vs 0.87x `ar` on a Spec-Bench subset, in different runs; stop 22's note).
+    # noise on a Spec-Bench subset).
     probe: int = 6
     hold: int = 12  # rounds with the faster arm before probing the other again; doubles while it stays faster
     # The schedule goes on across an engine's generations (GovernorMemory), so up to 768 rounds (6 answers of
     # 128 tokens) pass between probes of a settled choice. With 192, a probe came every ~1.5 answers, and
-    # a probe of a draft model that sat idle pays its prompt prefill first: on Spec-Bench (26 prompts, 96% of
-    # rounds plain) `draft` still ran at 0.91x `ar`, decoding 8.9 s slower with 12.2 s of drafting in probes.
+    # a probe of a draft model that sat idle pays its prompt prefill first, and on Spec-Bench that kept
+    # `draft` below `ar` even with nearly all rounds plain (docs/measurements.md "Governor").
     max_hold: int = 768
 
     def __post_init__(self) -> None:

@@ -176,8 +176,8 @@ class ThreadShare:
 
     Every pass synchronizes its threads at each linear, and a thread the OS has set aside for another
     process stalls the others until it runs again: with a busy process beside it on 2 cores, the 1.5B
-    decoded 14.2 tok/s with 2 threads and 31.1 with 1 (two busy processes: 6.8 and 20.3; idle: 41.1 and
-    33.1; `bash scripts/shared_cores.sh`, AMD EPYC Zen 5, 2026-11-26). So every `window` seconds of decoding
+    decoded less than half as fast with 2 threads as with 1 (`bash scripts/shared_cores.sh`;
+    docs/measurements.md "Cores shared with other processes"). So every `window` seconds of decoding
     (`tick()` after each round; a clock read otherwise) the CPU time other processes took on our CPUs
     (/proc/stat's busy ticks less this process's CPU time) sets the thread count for the next window:
     the CPUs left free, rounded, between 1 and `max_threads`. A token's logits are the same bits with any

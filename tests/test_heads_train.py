@@ -10,9 +10,9 @@ from conftest import tiny_model
 from speculant.engine import Engine, GenerationConfig
 from speculant.method import MethodConfig
 from speculant.errors import SpeculantError
-from speculant.heads.data import DataConfig, sequences
+from speculant.training.data import DataConfig, sequences
 from speculant.heads.runtime import HeadsConfig
-from speculant.heads.train import TrainConfig, train
+from speculant.training.train import TrainConfig, train
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_the_saved_head_is_the_best_held_out_one(tmp_path):
 
     from speculant.heads.config import default_config
     from speculant.heads.modules import build_head
-    from speculant.heads.train import _Best
+    from speculant.training.train import _Best
 
     target = tiny_model(32)
     head = build_head(default_config("eagle3", target.config, 24))
@@ -97,7 +97,7 @@ def test_training_on_the_targets_answers(corpus, tmp_path):
     """--prompts: the target answers every prompt (greedy: its own continuation, kept as a document in a
     folder a rerun reuses), the answers come first in the training text, and a budget with no time left
     for a single answer is a clear error."""
-    from speculant.heads.answers import AnswerConfig, answer, answers_folder
+    from speculant.training.answers import AnswerConfig, answer, answers_folder
 
     target = tiny_model(32, seed=3, layers=2, logit_scale=3.0)
     prompts = [" ".join(f"t{(7 * i + j) % 32}" for j in range(6)) for i in range(10)]
@@ -127,7 +127,7 @@ def test_training_on_the_targets_answers(corpus, tmp_path):
 
 
 def test_prompt_files_and_their_errors(tmp_path):
-    from speculant.heads.answers import AnswerConfig, answer, read_prompts
+    from speculant.training.answers import AnswerConfig, answer, read_prompts
 
     txt = tmp_path / "p.txt"
     txt.write_text("Write a haiku.\n\n  Explain zip().  \n")
@@ -153,7 +153,7 @@ def test_prompt_files_and_their_errors(tmp_path):
 def test_real_smollm2_trained_eagle3_matches_ar(real_model_cache, tmp_path):
     """A short self-distillation of SmolLM2 on the default corpus (stdlib text), then greedy decoding of
     a code prompt with the trained eagle3 head: identical to `ar`."""
-    from speculant.heads.data import default_sources
+    from speculant.training.data import default_sources
 
     target = real_model_cache("smollm2-135m-instruct", "gguf")
     out = tmp_path / "smol-eagle3"

@@ -26,7 +26,7 @@ DEFAULT_OUT = "bench_out"
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from ..cli import DEFAULT_DRAFT, _add_model_args, add_sampler_args
+    from ..cli_options import DEFAULT_DRAFT, add_model_args, add_sampler_args
 
     bench = subparsers.add_parser("bench", help="benchmark model speed or decoding methods")
     modes = bench.add_subparsers(dest="bench_mode", required=True)
@@ -48,7 +48,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     m = modes.add_parser("methods", help="end-to-end speed of ar / draft / lookup on HumanEval or Spec-Bench")
-    _add_model_args(m)
+    add_model_args(m)
     m.set_defaults(draft=DEFAULT_DRAFT)
     for action in m._actions:  # the shared --method (one method) does not apply here: --methods does
         if action.dest == "method":
@@ -76,7 +76,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     v = modes.add_parser("serve", help="load test of `speculant serve` on loopback: concurrent streaming clients, "
                                        "every response checked against the request run alone")
-    _add_model_args(v)
+    add_model_args(v)
     v.add_argument("--clients", type=int, default=8, help="concurrent streaming clients")
     v.add_argument("--seconds", type=float, default=60.0, help="duration of the load")
     v.add_argument("--max-tokens", "-n", type=int, default=96, help="largest max_tokens of the request mix")
@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from ..cli import load_engine
+    from ..cli_options import load_engine
     from ..server.loadtest import print_report, run_load_test
 
     if args.clients < 1 or not args.seconds > 0 or args.max_tokens < 2:
@@ -138,7 +138,7 @@ def _default_dtypes() -> list[str]:
 def _methods(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cli import load_engine
+    from ..cli_options import load_engine
     from ..engine import Engine
     from ..method import MODEL_METHODS, method_name, parse_method
     from ..hub import resolve_model
@@ -149,7 +149,7 @@ def _methods(args: argparse.Namespace) -> int:
 
     if args.method:
         raise SpeculantError("bench methods compares several methods: use --methods (e.g. --methods ar draft lookup)")
-    from ..cli import sampling_config
+    from ..cli_options import sampling_config
 
     cfg = MethodsConfig(tuple(args.methods), args.max_tokens, args.warmup_tokens, sampling_config(args), args.seeds,
                         args.bandwidth_gib)

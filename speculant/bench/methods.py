@@ -39,9 +39,8 @@ class MethodsConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: int = 1
     # Memory bandwidth (torch.sum over this many GiB) measured before each prompt, 0 = not measured. On a
-    # shared host it swings within minutes (33-65 GB/s in one sitting, AMD EPYC Zen 4), and speedups with
-    # it: `ar`'s step is memory-bound, drafting and multi-row verification less so (HumanEval 20, `hybrid`:
-    # 1.58x in a slow-memory run, `ar` decoding 34.2 tok/s; 1.44x at 35.0-60.8 GB/s, median 58.5, `ar` 36.8).
+    # shared host it can swing by 2x within minutes, and speedups with it: `ar`'s step is memory-bound,
+    # drafting and multi-row verification less so (docs/measurements.md "Memory speed").
     bandwidth_gib: float = 0.25
 
     def __post_init__(self) -> None:

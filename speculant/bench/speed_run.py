@@ -99,8 +99,8 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
 
 def _bracketed(cfg: SpeedConfig, result: SpeedResult, measure: Callable[[], SpeedRow]) -> SpeedRow:
     """measure() with the memory bandwidth taken right before and after it: the row's "% of bw" is against their
-    mean. Memory speed on a shared host swings within minutes (`torch.sum` of 1 GiB: 29.3-46.3 GB/s in one sitting
-    of 2 Zen 4 cores, stop 34's note), so one measurement at the start compared numbers from different moments."""
+    mean. Memory speed on a shared host swings within minutes (docs/measurements.md "Memory speed"), so one
+    measurement at the start compared numbers from different moments."""
     before = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)
     row = measure()
     after = measure_bandwidth(cfg.bandwidth_gib, cfg.repeats)

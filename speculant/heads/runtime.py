@@ -26,10 +26,10 @@ class HeadsConfig:
 
     name: str | None = None  # NAME under SPECULANT_HOME/heads, a folder, or None: MODEL-METHOD
     # Tree nodes the target checks per round (the pass has 1 + nodes rows). Every extra row costs a
-    # part of a step in the block-format kernels (1.5B Q4_K_M, AMD EPYC without AMX: a pass of 11 rows
-    # costs ~4 one-token passes, of 5 rows ~2), so the tree is small. `bench methods --count 10 --heads
-    # H --methods ar eagle3:nodes=10,depth=5,topk=4 eagle3:nodes=4,depth=4,topk=2` with a 40-minute
-    # eagle3 head: 0.74x vs 0.91x `ar` on the 1.5B (SmolLM2, 5-minute head: 0.69x vs 0.83x).
+    # part of a step in the block-format kernels (without AMX a pass of 11 rows costs ~4 one-token
+    # passes, of 5 rows ~2; `scripts/step_timing.py`), so the tree is small: a larger tree was slower
+    # (`bench methods`, docs/measurements.md "Draft heads trained
+    # here").
     nodes: int = 4
     depth: int = 4  # EAGLE: draft steps (tree depth) per round
     topk: int = 2  # EAGLE: children per expanded node, and nodes expanded per step

@@ -113,8 +113,8 @@ static void store_row(void *dst, const float *src, int64_t hd, int kv) {
 }
 
 /* Rows j .. j+n-1 (those below LA) of a cache segment (rows of rb bytes) into L1, a block ahead of their use:
- * the hardware prefetcher alone streamed the cache at ~14 GB/s from 2 threads (the 1.5B's 28 layers at 1000
- * slots). */
+ * the hardware prefetcher alone streamed the cache at a fraction of the memory bandwidth
+ * (`scripts/attention_bench.py`). */
 AI void prefetch_rows(const void *a, int64_t j, int n, int64_t LA, int64_t rb) {
     for (int i = 0; i < n && j + i < LA; i++)
         for (int64_t c = 0; c < rb; c += 64) _mm_prefetch((const char *)a + (j + i) * rb + c, _MM_HINT_T0);
@@ -196,9 +196,9 @@ AI void wsum_tile(const float *p, int nh, int64_t L8, const void *vA, const void
 /* Rows j0 .. j1-1 of a q8_0 segment pair (as SEG) widened into dq [j1 - j0][hd] float32 (d * q, exact), the rows a
  * block ahead prefetched. A q8_0 cache is read a block of KEYS rows at a time through this copy in L1, which every
  * head tile then reads as float32: widening each value once for the G heads (instead of once per 3-head tile, a
- * scale, a sign extension, a conversion and a multiply each time) made the 1.5B's attention after 4000 slots 1.5x
- * faster for 5 rows and 1.25x for 1 (`scripts/attention_bench.py --kv-dtypes f16 q8_0`, 2 Zen 4 cores: 55.0 ->
- * 34.7 ms, 10.2 -> 9.0 ms; float16 29.5 and 11.8 ms, README "KV cache"), and its bits are a float32 cache's. */
+ * scale, a sign extension, a conversion and a multiply each time) made a q8_0 cache's attention faster for one row
+ * and more so for several (`scripts/attention_bench.py --kv-dtypes f16 q8_0`; docs/measurements.md "Kernel
+ * choices"), and its bits are a float32 cache's. */
 AI void widen_q8(const void *A, const void *B, int64_t LA, int64_t j0, int64_t j1, int hd, float *dq) {
     const int64_t rb = row_bytes(hd, KV_Q8);
     for (int64_t j = j0; j < j1; j++) {
@@ -218,9 +218,8 @@ AI void widen_q8(const void *A, const void *B, int64_t LA, int64_t j0, int64_t j
  * to 8). Each block of keys and values is read once for all G heads (grouped-query attention),
  * which matters once the cache outgrows L2, and each vector of it loaded once for HT heads at a time
  * (before, one head at a time, the value sums' loop of variable width compiled to a compare chain per
- * key). `scripts/attention_bench.py` (the 1.5B's shape, 28 layers, 2 Zen 4 cores, old / new tree
- * alternated twice): 5 rows after 1000 slots 17.2-17.4 -> 10.4-10.9 ms, after 300 4.2-5.2 -> 2.6-3.5 ms;
- * 1 row after 1000 4.3-5.5 -> 4.6-4.8 ms (streaming the cache bounds it). The same bits as before: each
+ * key). It pays for passes of several rows; one row is bound by streaming the cache either way
+ * (`scripts/attention_bench.py`; docs/measurements.md "Kernel choices"). The same bits as before: each
  * (head, key) score and each output lane is the same chain of operations. What each head computes, and
  * in which order, does not depend on G's neighbours, on the tiling or on other rows. */
 AI void attend_group(const float *q, int G, const void *kA, const void *vA, int64_t LA, const void *kB,

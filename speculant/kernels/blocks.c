@@ -1,8 +1,8 @@
 /* All the Transformer blocks of a short pass (decoding, speculative verification) in one call.
  *
- * Python's per-op overhead (module calls, tensor allocation, ctypes argument conversion) came to
- * ~3.8 ms of a 47 ms decode step of the 1.5B int4 model and ~1.9 ms of the 0.5B draft's 16 ms
- * (12%; measured by timing every kernel call inside forwards of 1 token on a 256-token cache).
+ * Python's per-op overhead (module calls, tensor allocation, ctypes argument conversion) came to about a
+ * tenth of a decode step of the 1.5B and of the 0.5B draft (timing every kernel call inside forwards of 1
+ * token on a 256-token cache; `scripts/step_timing.py` splits a step into matmuls and the rest).
  * This file runs the same kernels (gq.c's matmul, attention.c, rows.c) in the same order as
  * Transformer.forward's Python path:
  *

@@ -103,9 +103,7 @@ typedef struct {
 } gq_part;
 
 /* 64-byte aligned: the activation rows are read in 64-byte loads, and malloc's 16-byte alignment split every
- * one across two cache lines. Harness (gq.c in a C timer, 1 thread, 2048 rows in cache, AMD EPYC), ns per 256
- * values, malloc -> aligned: Q5_0 x 896 M=8 50.5 -> 47.1-47.4, Q8_0 M=8 48.2-48.3 -> 46.1-46.6, Q4_K x 1536 M=8
- * 31.2-33.3 -> 31.2-31.8; M=1 unchanged. */
+ * one across two cache lines (a few percent of a pass of 8 rows; docs/measurements.md "Kernel choices"). */
 static void *alloc64(size_t n) { return aligned_alloc(64, (n + 63) & ~(size_t)63); }
 
 static void xquant_free(xquant *X) {

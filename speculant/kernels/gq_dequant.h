@@ -9,9 +9,9 @@
 
 /* A Q4_K superblock straight from its bytes into floats: the values and operations of the decode_k path
  * below (same bits), in loops that gcc vectorizes, without decode_k's pair-scale expansion. The prefill
- * dequantizes every weight once per chunk; layer 0 gate_up of the 1.5B (27.5M Q4_K weights, 2 threads,
- * AMD EPYC): 10.3 ms through decode_k, 3.4 ms here. (Q6_K measured no faster this way, 3.3-3.6 vs 3.5-4.0 ms on a
- * down projection, so it keeps the decode_k path.) Returns 0 for other types. */
+ * dequantizes every weight once per chunk, and this takes about a third of decode_k's time for Q4_K. (Q6_K
+ * measured no faster this way, so it keeps the decode_k path; docs/measurements.md "Kernel choices".) Returns 0
+ * for other types. */
 static int dequant_sb_direct(int t, const uint8_t *b, float *o) {
     if (t != Q4_K) return 0;
     uint8_t s8[8], m8[8];

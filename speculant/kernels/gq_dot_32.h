@@ -38,9 +38,8 @@ static inline __attribute__((always_inline)) void dot_32_last(
 /* u of blocks b and b + 1 (lanes 0-7 and 8-15) at p: u32_avx2's bytes. For the 4- and 5-bit types both
  * blocks are built at once. The nibbles of both come from one permute, one variable shift and one mask,
  * and Q5's fifth bits go in as a byte mask (bit l of qh is byte l's), where u32_avx2 spreads them with
- * six AVX2 operations per block. With dot_32_pair's one multiply for both blocks' d * dx, a harness
- * (gq.c in a C timer, not in the repo; 1 thread, Q5_0 2048x896 in cache, AMD EPYC) measured per 256
- * values: M = 1 17.9-18.0 -> 16.0-16.5 ns, M = 8 62.0-62.6 -> 50.4-55.2 ns; Q8_0 M = 8 52.0-52.8 -> 48.5. */
+ * six AVX2 operations per block. With dot_32_pair's one multiply for both blocks' d * dx this is 10-20%
+ * faster per block (docs/measurements.md "Kernel choices"). */
 static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, float *d1, float *o0, float *o1) {
     if (t == Q8_0) { /* whole bytes: u32_avx2's two vectors side by side */
         const __m256i u0 = u32_avx2(t, p, d0, o0), u1 = u32_avx2(t, p + bb, d1, o1);
@@ -70,7 +69,7 @@ static inline __m512i u32x2_512(int t, const uint8_t *p, int bb, float *d0, floa
 
 /* dot_32_raw's pairs of blocks: returns the index of the first block left (nb - 1 when nb is odd). Called
  * with t = Q8_0 as a constant, so that each type's loop is compiled without the other's branch (a branch
- * per pair measured slower on Q8_0 at M = 8 in the harness: 55-62 vs 52 ns per 256 values). */
+ * per pair measured slower on Q8_0 at M = 8; docs/measurements.md "Kernel choices"). */
 static inline __attribute__((always_inline)) int64_t dot_32_pairs(
     const int R, const int t, const uint8_t *wrow, const int bb, const int64_t nb, const int8_t *xq, const int64_t K,
     const float *xd, const float *xs, __m512 *acc, float *tt) {

@@ -114,8 +114,8 @@ typedef __m256 vf_t;
 #endif
 #define TILES_PER_PASS (VL == 16 ? 2 : 1) /* 16-row tiles a pass covers */
 /* activation rows per pass: 4 x 2 vectors = 8 chains. The 256-bit builds' 16 ymm registers hold them with
- * spills, still the fastest: linears of 2 layers at M = 256 (/tmp/gemm_t.py), AVX-VNNI build, 2 / 3 / 4 rows:
- * 96.4 / 75.2 / 74.4 ms; AVX2 142.5 / 142.3 / 135.8 (AVX-512: 6 or 8 rows no faster than 4) */
+ * spills, still the fastest of 2, 3 and 4 rows (AVX-512: 6 or 8 rows no faster than 4); prompt passes,
+ * `scripts/prefill_routes.py`, docs/measurements.md "Kernel choices" */
 #define GEMM_MR 4
 
 /* 16 weight rows, packed:

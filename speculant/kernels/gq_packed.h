@@ -5,10 +5,8 @@
  * decode of every superblock per row); with 16 rows interleaved, one vpdpbusd multiplies 4 values of 16
  * outputs, the unpacking of a superblock is shared by the 16 outputs and by every activation row, and a row
  * costs ~1/3 of the instructions. The nibbles stay nibbles (2368 bytes per 16 rows x 256 values against the
- * file's 2304), so a decode step still reads about the file's bytes. C harness on an AMD EPYC (AVX-512, 2
- * threads, a 32768x1536 Q4_K matrix streamed from memory; /work/notes/nibble_q4k_harness.c), ms at M = 1 /
- * 2 / 3 / 4 / 8: file blocks 0.571 / 0.636 / 0.762 / 0.922 / 1.627, packed 0.402 / 0.418 / 0.439 / 0.496 /
- * 0.861.
+ * file's 2304), so a decode step still reads about the file's bytes. The packed tiles beat the file's blocks
+ * at every row count (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices").
  *
  * Canonical form of a packed Q4_K output (n, m), the same in every build and for every row count: per
  * superblock the exact integers S = sum over sub-blocks j of sc[j] * (sum of u * x over j) and
@@ -18,16 +16,15 @@
  * Q4_K tile layout per superblock (PACK_SB_BYTES): qs[32 groups g][16 lanes][4 bytes], byte i of lane n
  * holding u of value 4g + i (low nibble) and of value 128 + 4g + i (high); sc[8][16] u8; mn[4 pairs p][16][2]
  * u8 (mn of sub-blocks 2p, 2p + 1); d[16], dmin[16] fp16, the file's: 2368 bytes per 16 rows against the file's 2304.
- * With int16 mins and float scales (2560 bytes) the 1.5B's linears read 1052 MB a token against the file's 980 and
- * ran at the bandwidth, so llama.cpp, reading the file's 980, decoded faster (`scripts/vs_llama_cpp.sh`, Zen 4,
- * 2026-11-26: 25.0 tok/s against 30.4). Tile t's superblocks follow each other.
+ * The mins and scales stay the file's bytes: with int16 mins and float scales (2560 bytes) the 1.5B's linears read
+ * 1052 MB a token against the file's 980, and a decode step that runs at the bandwidth pays for every extra byte
+ * (`scripts/vs_llama_cpp.sh`). Tile t's superblocks follow each other.
  *
  * Q5_K (PACK5_SB_BYTES): Q4_K's layout (u's low 4 bits in qs) and at P5_QH the fifth bits, qh[8 h][16 lanes][4 bytes],
  * byte i of word h holding at bit f (0..3) that of value 4(4h + f) + i and at bit 4 + f that of value 128 + 4(4h + f) + i.
  * Its canonical form is Q4_K's, u < 32. Unpacked (gq_dot_k.h's 16 lanes per output) a Q5_K_M file's linears were
- * compute-bound on Zen 4: the 1.5B requantized to Q5_K_M by llama-quantize, linears of 28 layers at M = 1 / 4 / 8
- * (/work/notes/sim/linT.py, alternated) 59.9-62.4 / 79.3-82.5 / 117-121 ms unpacked, 41.7-43.5 / 38.8-40.3 / 55.3-56.9
- * packed.
+ * compute-bound, not bandwidth-bound; packed they take about 2/3 of the time at one row and half at 4-8
+ * (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices").
  *
  * Q6_K (PACK6_SB_BYTES, 1% more than the file's): the low 4 bits of u = q + 32 as Q4_K's qs; qh[16 h][16 lanes]
  * [4 bytes], byte i of hgroup h (< 8: values 16h + 4f + i, >= 8: 128 + 16(h - 8) + 4f + i, f = 0..3) holding
@@ -39,9 +36,8 @@
 #define SPECULANT_GQ_PACKED_H
 
 /* The most activation rows of a pass over a packed tile. 8 on AVX-512: a verification pass of 5-8 rows unpacks each
- * tile once, where passes of 4 unpacked it twice (1.5B linears of 28 layers, /tmp/rows15.py, ms at M = 5 / 8:
- * gate_up 15.0 / 19.9 -> 13.0 / 15.5, output Q6_K 6.1 / 6.7 -> 5.2 / 6.1; at 35-39 GB/s). The 256-bit builds' 16
- * registers keep 4. */
+ * tile once, where passes of 4 unpacked it twice (`scripts/linear_timing.py` at M = 5 and 8; docs/measurements.md
+ * "Kernel choices"). The 256-bit builds' 16 registers keep 4. */
 #if GQ_512
 #define PACKED_MR 8
 #define PACKED_SWITCH ROW_SWITCH
@@ -180,11 +176,8 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * sbb;
         /* A decode step's Q4_K (M = 1) asks for every other line: half the prefetch instructions, and the lines
-         * between still arrive in time. The 1.5B's 28 gate_up layers at M = 1 (scripts/linear_timing.py from two
-         * worktrees, alternated; AMD EPYC Zen 4, 2 threads): 13.5-13.7 ms against 13.9-14.3 in slow-memory minutes
-         * (torch.sum 33-35 GB/s), 9.4-9.8 against 10.7-11.4 in fast ones (54-62 GB/s). Passes of several rows need
-         * every line: at M = 5 every other line took them from 13.0-15.8 to 23.4 ms (every fourth: 19.6), and
-         * Q6_K's output layer at M = 1 from 5.5 to 9.1 ms. */
+         * between still arrive in time. Passes of several rows, and Q6_K's output layer, need every line: skipping
+         * lines made them slower (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices"). */
         prefetch_tile(o, sbb, q5 ? 8192 : 4096, q5 || R > 1 ? 64 : 128);
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
@@ -297,8 +290,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
         for (int v = 0; v < NV; v++) {
             /* Mn by vpdpwssd on pairs of groups (2p, 2p + 1): 8 per row instead of 16 vpmulld and their adds
              * (|sc| <= 128, |B16| <= 2032: exact in int32, so the same integer in any order). An extra row of a
-             * Q6_K layer cost 1.84 cycles per 64 products with the vpmulld, 1.34 now (Q4_K's 1.24; Zen 4,
-             * `scripts/row_cost.py --types Q4_K Q6_K`) */
+             * Q6_K layer costs about a quarter less this way (`scripts/row_cost.py --types Q4_K Q6_K`) */
             vi_t sp[8];
             for (int p = 0; p < 8; p++) sp[p] = q6_scale_pairs(o + P6_SC + 32 * p, v);
             for (int m = 0; m < R; m++)
@@ -344,7 +336,7 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
                 VI_STORE(T + 64 * (32 + g) + 4 * VL * v, hi);
             }
         /* The scales, VL lanes at a time: a scalar loop over lanes and groups here took more time than the
-         * values (/tmp/gemmM.py: the 1.5B's gate_up linears cost ~68 ms per prompt pass before any row). */
+         * values (a prompt pass's linears, `scripts/prefill_routes.py`). */
         for (int v = 0; v < 16 / VL; v++) {
             for (int j = 0; j < 8; j++) { /* groups 2j and 2j + 1 of 16 values (Q4_K: sub-block j): sc of each, and
                                            * per lane the int16 pair (mn of group 2j, mn of group 2j + 1) */
@@ -370,69 +362,5 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
     }
 }
 #endif
-
-static void packed2_sb_c(int q3, const uint8_t *o, int n, const int8_t *x, const int16_t *b16, int32_t *S,
-                         int32_t *Mn, float *d, float *dm); /* gq_packed2.h */
-
-/* packed_tile's portable lane loop for the packed K-quants: the canonical form, one lane at a time. */
-static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *X, int64_t K, const float *bias,
-                           const int64_t cols[16], float *y, int64_t N) {
-    const int64_t nsb = K / 256;
-    const int8_t *xq = X->qk;
-    const float *xd = X->dk;
-    const int16_t *b16 = X->bk, *b32 = X->b32k;
-    const int sbb = (int)packed_sb_bytes(t);
-    for (int64_t m = 0; m < M; m++)
-        for (int n = 0; n < 16; n++) {
-            float acc = 0.0f;
-            for (int64_t sb = 0; sb < nsb; sb++) {
-                const uint8_t *o = tile + sb * sbb;
-                const int8_t *x = xq + m * K + sb * 256;
-                const float dx = xd[m * nsb + sb];
-                int32_t S = 0, Mn = 0;
-                float d, dm;
-                if (t == Q2_K || t == Q3_K) {
-                    packed2_sb_c(t == Q3_K, o, n, x, b16 + m * (K / 16) + sb * 16, &S, &Mn, &d, &dm);
-                } else if (t == Q6_K) {
-                    static const int field_shift[4] = {4, 6, 0, 2};
-                    for (int g16 = 0; g16 < 16; g16++) { /* values 16 g16 .. 16 g16 + 15 */
-                        int32_t I = 0;
-                        for (int e = 16 * g16; e < 16 * g16 + 16; e++) {
-                            const int hi = e >= 128, v = e % 128, g = v / 4, i = v % 4;
-                            const uint8_t q = o[64 * g + 4 * n + i];
-                            const uint8_t h = o[P6_QH + 64 * (8 * hi + g / 4) + 4 * n + i];
-                            const int u = (hi ? q >> 4 : q & 15) | (((h >> field_shift[g % 4]) & 3) << 4);
-                            I += u * x[e];
-                        }
-                        const int32_t sc = (int8_t)o[P6_SC + 16 * g16 + n];
-                        S += sc * I;
-                        Mn += sc * b16[m * (K / 16) + sb * 16 + g16];
-                    }
-                    Mn *= 32;
-                    memcpy(&d, o + P6_D + 4 * n, 4);
-                    dm = d;
-                } else {
-                    for (int j = 0; j < 8; j++) {
-                        int32_t I = 0;
-                        for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
-                            for (int i = 0; i < 4; i++) {
-                                const uint8_t q = o[64 * g + 4 * n + i];
-                                int32_t u = j < 4 ? q & 15 : q >> 4;
-                                if (t == Q5_K) /* P5_QH: bit g % 4 (low nibbles) or 4 + g % 4 (high) */
-                                    u |= ((o[P5_QH + 64 * (g / 4) + 4 * n + i] >> ((j < 4 ? 0 : 4) + g % 4)) & 1) << 4;
-                                I += u * x[(j < 4 ? 0 : 128) + 4 * g + i];
-                            }
-                        S += (int32_t)o[PK_SC + 16 * j + n] * I;
-                    }
-                    for (int j = 0; j < 8; j++) Mn += o[PK_MN + 32 * (j / 2) + 2 * n + j % 2] * b32[m * (K / 32) + sb * 8 + j];
-                    d = rdh(o + PK_D + 2 * n);
-                    dm = rdh(o + PK_DM + 2 * n);
-                }
-                acc = fmaf((float)S, d * dx, acc);
-                acc = fmaf(-(float)Mn, dm * dx, acc);
-            }
-            y[m * N + cols[n]] = bias ? acc + bias[cols[n]] : acc;
-        }
-}
 
 #endif /* SPECULANT_GQ_PACKED_H */

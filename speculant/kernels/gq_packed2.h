@@ -1,9 +1,9 @@
 /* Q2_K and Q3_K repacked at load: 16 weight rows per tile, one output per lane, as gq_packed.h does for Q4_K.
  * Part of gq.c, included once into its one translation unit, after gq_packed.h (with_bit, the tile sizes).
  *
- * Read in the file's layout, these rows were decoded value by value into bytes before every dot product: a Q3_K_M
- * file of the 1.5B decoded 1.2 tok/s and a Q2_K file 0.9 (`speculant bench speed`, AMD EPYC Zen 4, 2 threads;
- * llama.cpp 17.9 and 31.2 on the same files). Repacked, the values stay 2-bit fields (and Q3_K's third bit a plane of
+ * Read in the file's layout, these rows were decoded value by value into bytes before every dot product, an order
+ * of magnitude slower than llama.cpp on the same files (`speculant bench speed`; docs/measurements.md "Kernel
+ * choices"). Repacked, the values stay 2-bit fields (and Q3_K's third bit a plane of
  * its own), so a tile reads about the file's bytes: 1344 bytes per superblock of 16 rows as the file's (Q2_K),
  * 1824 against 1760 (Q3_K).
  *
@@ -186,6 +186,69 @@ static void packed2_sb_c(int q3, const uint8_t *o, int n, const int8_t *x, const
     if (q3) *Mn *= 4;
     *d = rdh(o + sc_at + 256 + 2 * n);
     *dm = q3 ? *d : rdh(o + sc_at + 288 + 2 * n);
+}
+
+/* packed_tile's portable lane loop for the packed K-quants (Q2_K .. Q6_K, gq_packed.h's layouts and this file's):
+ * the canonical form, one lane at a time. Here rather than in gq_packed.h so that the headers include one way:
+ * this file builds on gq_packed.h, never the reverse. */
+static void packedk_tile_c(int t, const uint8_t *tile, int64_t M, const xquant *X, int64_t K, const float *bias,
+                           const int64_t cols[16], float *y, int64_t N) {
+    const int64_t nsb = K / 256;
+    const int8_t *xq = X->qk;
+    const float *xd = X->dk;
+    const int16_t *b16 = X->bk, *b32 = X->b32k;
+    const int sbb = (int)packed_sb_bytes(t);
+    for (int64_t m = 0; m < M; m++)
+        for (int n = 0; n < 16; n++) {
+            float acc = 0.0f;
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *o = tile + sb * sbb;
+                const int8_t *x = xq + m * K + sb * 256;
+                const float dx = xd[m * nsb + sb];
+                int32_t S = 0, Mn = 0;
+                float d, dm;
+                if (t == Q2_K || t == Q3_K) {
+                    packed2_sb_c(t == Q3_K, o, n, x, b16 + m * (K / 16) + sb * 16, &S, &Mn, &d, &dm);
+                } else if (t == Q6_K) {
+                    static const int field_shift[4] = {4, 6, 0, 2};
+                    for (int g16 = 0; g16 < 16; g16++) { /* values 16 g16 .. 16 g16 + 15 */
+                        int32_t I = 0;
+                        for (int e = 16 * g16; e < 16 * g16 + 16; e++) {
+                            const int hi = e >= 128, v = e % 128, g = v / 4, i = v % 4;
+                            const uint8_t q = o[64 * g + 4 * n + i];
+                            const uint8_t h = o[P6_QH + 64 * (8 * hi + g / 4) + 4 * n + i];
+                            const int u = (hi ? q >> 4 : q & 15) | (((h >> field_shift[g % 4]) & 3) << 4);
+                            I += u * x[e];
+                        }
+                        const int32_t sc = (int8_t)o[P6_SC + 16 * g16 + n];
+                        S += sc * I;
+                        Mn += sc * b16[m * (K / 16) + sb * 16 + g16];
+                    }
+                    Mn *= 32;
+                    memcpy(&d, o + P6_D + 4 * n, 4);
+                    dm = d;
+                } else {
+                    for (int j = 0; j < 8; j++) {
+                        int32_t I = 0;
+                        for (int g = 8 * (j % 4); g < 8 * (j % 4) + 8; g++)
+                            for (int i = 0; i < 4; i++) {
+                                const uint8_t q = o[64 * g + 4 * n + i];
+                                int32_t u = j < 4 ? q & 15 : q >> 4;
+                                if (t == Q5_K) /* P5_QH: bit g % 4 (low nibbles) or 4 + g % 4 (high) */
+                                    u |= ((o[P5_QH + 64 * (g / 4) + 4 * n + i] >> ((j < 4 ? 0 : 4) + g % 4)) & 1) << 4;
+                                I += u * x[(j < 4 ? 0 : 128) + 4 * g + i];
+                            }
+                        S += (int32_t)o[PK_SC + 16 * j + n] * I;
+                    }
+                    for (int j = 0; j < 8; j++) Mn += o[PK_MN + 32 * (j / 2) + 2 * n + j % 2] * b32[m * (K / 32) + sb * 8 + j];
+                    d = rdh(o + PK_D + 2 * n);
+                    dm = rdh(o + PK_DM + 2 * n);
+                }
+                acc = fmaf((float)S, d * dx, acc);
+                acc = fmaf(-(float)Mn, dm * dx, acc);
+            }
+            y[m * N + cols[n]] = bias ? acc + bias[cols[n]] : acc;
+        }
 }
 
 #endif /* SPECULANT_GQ_PACKED2_H */

@@ -2,8 +2,8 @@
  * lane, for every pass. Part of gq.c, included once into its one translation unit, after gq_packed.h.
  *
  * Why: the file's blocks make each output a horizontal reduction over 8 or 16 lanes with float work per block
- * pair, and the 0.5B draft's Q5_0 linears streamed at 22-30 GB/s where the repacked Q4_K/Q6_K ones stream at
- * 73-75 (/tmp/lin05.py: the 0.5B's linears grouped by type, M = 1; AMD EPYC, 2 threads). A tile keeps the
+ * pair, and the 0.5B draft's Q5_0 linears streamed at a third of the speed of the repacked Q4_K/Q6_K ones
+ * (`scripts/linear_timing.py --model qwen2.5-coder-0.5b-instruct`). A tile keeps the
  * file's bytes per value (the same size as its 16 rows in the file), in pairs of blocks so that every pair
  * starts on a 64-byte line.
  *
@@ -122,9 +122,9 @@ static inline __attribute__((always_inline)) void packed32_rows(const int R, con
             if (pk32_high(T))
                 for (int v = 0; v < NV; v++) hv[v] = VI_LOAD(o + 2 * qs + 64 * h + 4 * VL * v);
             /* How far the group loop unrolls is a register budget. AVX-512's 4-bit types keep the most rows
-             * (PACKED_MR 8) and no fifth bits: unrolled by 4 they spilled, and 8 rows took 2.4x as long as 9
-             * (the 0.5B's gate_up in Q4_0, 24 layers: 10.1 ms at M = 8, 6.9 at M = 9; unrolled by 2: 3.6 and
-             * 4.2, M = 4: 3.5 -> 2.5; Q5_0 and the 256-bit builds measured no better or worse by 2). */
+             * (PACKED_MR 8) and no fifth bits: unrolled by 4 they spilled, and a pass of 8 rows took longer than
+             * one of 9; unrolled by 2 they do not (`scripts/linear_timing.py --rows 8`; Q5_0 and the 256-bit
+             * builds were no better or worse by 2). */
             if (GQ_512 && !pk32_high(T)) {
 #pragma GCC unroll 2
                 for (int g = 0; g < 4; g++) nib_group(R, T, q, g, hv, lo4, x, K, I);
@@ -233,8 +233,8 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     for (int64_t m0 = 0, mc; m0 < M; m0 += mc) {
         /* rows spread evenly over the passes: 5 rows in passes of 4 as 3 + 2, not 4 + 1 (too few chains) */
         /* Q2_K/Q3_K: at most 5 rows a pass (their 16-value groups keep more accumulators live: 6 or more rows
-         * spill). The Q3_K_M 1.5B's Q3_K gate_up of 28 layers (/work/notes/sim/gu.py, Zen 4, 2 threads), ms at
-         * M = 5 / 6 / 8: one pass 17.0 / 26.2 / 44.4, passes of at most 4 19.9 / 21.8 / 26.7 */
+         * spill, and one pass of 8 rows took longer than two of 4; `scripts/linear_timing.py --rows 8` on a
+         * Q3_K_M file) */
         const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED_MR;
         const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;

@@ -95,19 +95,16 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
 
 /* Weights stream from memory once per token: each (super)block asks for the lines PREFETCH_AHEAD bytes
  * further on (the rows of a thread's share are contiguous). The hardware prefetcher alone left a decode
- * step short of the bandwidth: 2 threads of an AMD EPYC (AVX-512), a 173 MB Q4_K tensor at M = 1,
- * 6.1-7.2 ns per superblock without, 5.0-5.9 with 2048 ahead (1024: 5.4-5.6, 4096: 4.8-5.3); a 191 MB
- * Q6_K lm_head 7.6-8.4 ns, 6.2-7.0 (a C harness that includes this file and times gq_matmul on random
- * blocks; not in the repo). No effect on results. */
+ * step short of the bandwidth; 2048 ahead was as good as any distance tried (docs/measurements.md "Kernel
+ * choices"; `scripts/linear_timing.py` shows how close each tensor streams to memory speed). No effect on
+ * results. */
 #define PREFETCH_AHEAD 2048
 
 /* Repacked tiles (gq_packed*.h) ask for the lines `ahead` bytes past a tile's superblock (block pair) as it
  * starts, into L2 (prefetcht1), not L1: prefetcht0 of a whole superblock at once (40-53 lines) made every
- * pass of several rows compute-starved on Zen 4 (AMD EPYC, family 25, 2 threads, the 1.5B's linears over 28
- * layers, /work/notes/sim/linT.py, ms at M = 1 / 4 / 8 in two alternated sittings: prefetcht0 39.5-52.4 /
- * 51.6-52.6 / 83.9-84.6, prefetcht1 34.5-35.0 / 33.8-34.1 / 48.8-49.1; Q6_K's lm_head at M = 4 14.0 -> 5.4-5.7).
- * Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead (4096: lm_head at M = 1 9.6 -> 6.2-6.5 ms
- * with 8192). `step` is 64 (every line) but for Q4_K at M = 1 (gq_packed.h). No effect on results. */
+ * pass of several rows compute-starved (`scripts/linear_timing.py --rows 4`; docs/measurements.md "Kernel
+ * choices"). Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead rather than 4096.
+ * `step` is 64 (every line) but for Q4_K at M = 1 (gq_packed.h). No effect on results. */
 static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead, int step) {
 #if defined(__GNUC__)
     for (int64_t l = 0; l < bytes; l += step) __builtin_prefetch(o + ahead + l, 0, 2);

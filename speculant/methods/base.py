@@ -9,8 +9,8 @@ Tree drafters return a `DraftTree` (speculant/tree.py) instead of a chain `Draft
 every node in the same one pass (each node sees only its ancestors) and keeps the longest accepted
 root-to-leaf path. Drafters that read the target's hidden states (Medusa, EAGLE) name the layers in
 `taps`; the engine then asks the target's forwards for them and hands the drafter the rows of the
-tokens that became context (`start(..., hidden=)`, `commit(..., hidden=)`). /work/notes/tree_api.md
-and the Drafter docstrings below give the shapes.
+tokens that became context (`start(..., hidden=)`, `commit(..., hidden=)`). The Drafter docstrings
+below give the shapes.
 """
 
 from __future__ import annotations

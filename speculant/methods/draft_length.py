@@ -8,10 +8,9 @@
 Why measure: draft token j adds a token only if the target accepts it and every draft before it,
 while it always costs a draft forward (nothing, for a lookup guess) and one more row of the
 verification pass. Where extra rows are nearly free (AMX, GPUs) long drafts pay; where a pass of 7
-rows costs 1.7 passes of 1 (2 Zen 4 cores, the 1.5B Q4_K_M: 34.9 ms for 1 row, 46.8 for 5, 60.5 for 7
-in hybrid's rounds, /work/notes/sim/prof.py) the 5th and 6th drafts cost more than they bring on
-HumanEval: `bench methods` gave hybrid with max_k=4 1.42x against 1.36x with 6 (2026-11-27, the
-fourth sitting alike), while Spec-Bench math has favoured 6 (1.60x against 1.27x, stop 34). `auto`
+rows costs 1.7 passes of 1 (2 cores of an AVX-512 CPU, the 1.5B Q4_K_M; `scripts/step_timing.py`) the
+5th and 6th drafts cost more than they bring on HumanEval, while Spec-Bench math has favoured 6
+(`speculant bench methods`; docs/measurements.md "Draft length"). No fixed k suits both, so `auto`
 takes for the next round the k in [1, max_k] that maximizes
 
     E(k) / T(k),   E(k) = 1 + sum_{j <= k} prod_{i <= j} a_i,   T(k) = k * t_draft + t_verify(k + 1),
@@ -19,13 +18,9 @@ takes for the next round the k in [1, max_k] that maximizes
 a_i = the share of i-th drafts accepted among the rounds that reached them (all drafts before them
 accepted), t_draft = drafting seconds per drafted token, t_verify(r) = the mean seconds from the end
 of drafting to the end of a round whose pass had r rows (lengths not measured yet: interpolated, or
-extrapolated along the two longest measured). On the 2 Zen 4 cores (2026-11-27, `bench methods --count 20
---methods ar hybrid hybrid:schedule=heuristic hybrid:max_k=4,schedule=heuristic draft draft:schedule=heuristic
-lookup lookup:schedule=heuristic --draft qwen2.5-coder-0.5b-instruct`, HumanEval): hybrid 1.42x (auto)
-against 1.38x (heuristic, max_k 6) and 1.43x (max_k=4); draft 1.39x against 1.36x; lookup 1.27x against
-1.26x. Spec-Bench (`--dataset specbench --count 2`, the hybrid three): 1.16x, 1.16x, 1.17x. All outputs
-identical to `ar`. So it finds about what a hand-picked max_k=4 gives here, without the hand, and drafts
-long where acceptance is high (HumanEval's most predictable prompts) or extra rows are cheap.
+extrapolated along the two longest measured). Measured against the heuristic and a hand-picked max_k=4
+(docs/measurements.md "Draft length"), it finds about what the hand-picked length gives, without the hand,
+and drafts long where acceptance is high (HumanEval's most predictable prompts) or extra rows are cheap.
 
 Exactness: the length is chosen before a round, from what earlier rounds did. But `auto` reads the
 clock, so it measures only where the governor may (`timed`: greedy, or unseeded sampling); elsewhere
@@ -56,8 +51,8 @@ class DraftLengthConfig:
     """How many tokens to draft per round (the module docstring).
 
     max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with 4-bit weights
-    (k=8 costs 1.8x k=1 on the 1.5B target): on HumanEval max_k=6 beat 16 for draft (1.28x vs
-    1.20x) and hybrid (1.37x vs 1.33x) in one `speculant bench methods` run.
+    (`speculant bench speed`'s cost curve): on HumanEval max_k=6 beat 16 for draft and hybrid
+    (`speculant bench methods`; docs/measurements.md "Draft length").
     """
 
     k: int = 4

@@ -28,23 +28,21 @@ CONTEXT_STEP = 64  # the draft's prompt window (DraftModelConfig.context) starts
 
 @dataclass(frozen=True, slots=True)
 class DraftModelConfig:
-    # Stop drafting below this top probability (0 = never stop early). 0.5 measured on HumanEval
-    # (`bench methods`, 20 prompts): draft 1.30x vs 1.26x without; hybrid 1.41-1.42x vs 1.38-1.39x
-    # in two runs (0.3: 1.39x; 0.4 and 0.6 no better).
+    # Stop drafting below this top probability (0 = never stop early). 0.5 was the best of 0.3-0.6 and of
+    # no stop on HumanEval (`bench methods`; docs/measurements.md "Method defaults").
     min_confidence: float = 0.5
     # Draft only among the first `vocab` token ids (0 = all). BPE ids follow merge order, so low ids
     # are the frequent tokens; the draft's output projection shrinks with it (FR-Spec, Zhao et al.
     # 2025). Exactness is unaffected: q is simply zero outside the subset. 65536 cuts the Qwen2.5
-    # draft's 151,936-row head by 57% (its cost per round 1.00 -> 0.86 of a target step) and still
-    # covers 99.2% of the HumanEval solutions' tokens: hybrid 1.42x vs 1.39x; 32768 lost too much
-    # acceptance. Vocabularies of 65536 tokens or fewer are unaffected.
+    # draft's 151,936-row head by 57% and still covers 99.2% of the HumanEval solutions' tokens, which
+    # made hybrid faster; 32768 lost too much acceptance (docs/measurements.md "Method defaults").
+    # Vocabularies of 65536 tokens or fewer are unaffected.
     vocab: int = 65536
     # The draft model reads only the last `context` prompt tokens (0 = all of them; None = the
     # method's default: all for `draft`, HYBRID_DRAFT_CONTEXT for `hybrid`): its prefill of a long
     # prompt is paid before the first draft. Exactness is unaffected (the draft only proposes), but
     # acceptance falls where the output depends on the text left out, which hybrid's prompt lookup
-    # covers and `draft` alone does not (Spec-Bench summarization, `draft`: 0.87x with 256 tokens,
-    # 1.10x with all).
+    # covers and `draft` alone does not (Spec-Bench summarization; docs/measurements.md "Method defaults").
     context: int | None = None
 
     def __post_init__(self) -> None:
@@ -106,14 +104,14 @@ class DraftModelDrafter:
     def start(self, prompt: list[int]) -> None:
         """Take the prompt; its prefill waits for the first draft. Where the governor runs plain rounds
         only (speculation measured slower in the engine's earlier generations), it is never paid: on
-        Spec-Bench's long prompts it was up to a tenth of a plain generation's time (stop 25's note)."""
+        Spec-Bench's long prompts it was up to a tenth of a plain generation's time (`bench methods`)."""
         self.waiting, self.after = list(prompt[window_start(len(prompt), self.cfg.context or 0) :]), []
         self.last = None
 
     def ready(self) -> None:
         """Run the deferred prefill now (the engine calls this before it times a speculative round: the
         prefill is the generation's, not the round's, and timed with the round it made the governor's
-        first speculative phase look slow: HumanEval `draft` ran 92% of its rounds plain, at 1.00x `ar`)."""
+        first speculative phase look slow: HumanEval `draft` then ran nearly all its rounds plain)."""
         if self.waiting is not None:
             self._begin()
 

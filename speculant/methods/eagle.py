@@ -1,7 +1,7 @@
 """EAGLE-2 and EAGLE-3 drafting: a one-layer head, autoregressive over features, grows a dynamic tree.
 
 State: the head's own KV cache, one entry per context position p built from (feature F_p, token
-x_{p+1}), exactly as in training (heads/objectives.py). The target's features arrive through taps:
+x_{p+1}), exactly as in training (training/objectives.py). The target's features arrive through taps:
 `start` gets the prompt's rows, `commit` those of [pending, *accepted]; a feature is paired with the
 token after it as soon as that token is known, and the last one waits for the next pending.
 

@@ -5,15 +5,13 @@ Every round, prompt lookup offers the continuation of the longest n-gram match (
 forward, keep the leading guess tokens that equal its own greedy choices and draft on from the
 first disagreement (DraftModelDrafter.propose). In greedy decoding that proposes what the draft
 model would have drafted token by token, for one forward instead of one per agreed token: on
-HumanEval (`bench methods`, 20 prompts) the draft's cost per round fell from 1.27 to 1.11 target
-steps at the same 3.9 tokens per round, 1.46x vs the draft model alone 1.37x.
+HumanEval the draft's cost per round fell by about an eighth at the same tokens per round
+(docs/measurements.md "Hybrid's check").
 
 An unchecked round sends the guess straight to the target: no draft forward, but the guess is
 only as good as the copy. Which pays depends on the text: HumanEval favours checking, copy-heavy
-long inputs (Spec-Bench summarization, rag) do not. `bench methods --methods ar hybrid
-hybrid:check=always` (Q4_0 draft, 2026-11-26): HumanEval 20 1.41x `auto` vs 1.42x `always`;
-Spec-Bench 26 1.31x vs 1.27x (extraction 1.55x vs 1.41x, translation 1.53x vs 1.36x, summarization
-1.07x vs 0.93x). With `check="auto"`, every round that has a guess also records what the
+long inputs (Spec-Bench summarization, rag) do not (`bench methods --methods ar hybrid
+hybrid:check=always`; docs/measurements.md "Hybrid's check"). With `check="auto"`, every round that has a guess also records what the
 unchecked guess would have yielded (the length of its prefix that the target then emitted), and
 guesses go unchecked while that yield per target step beats the checked rounds' tokens per
 (draft + target) cost. The cost of a draft forward is counted in
@@ -39,11 +37,9 @@ from .lookup import LookupDrafter
 
 HYBRID_MIN_NGRAM = 2  # default shortest n-gram a hybrid round takes a lookup draft from (see LookupConfig)
 # Default prompt tokens hybrid's draft model reads (DraftModelConfig.context; the window is the last 128 to
-# 191): lookup still sees the whole prompt. `bench methods`: Spec-Bench summarization/rag (~600-1,000-token
-# prompts, 5 each) 1.21x/1.12x with the whole prompt -> 1.28x/1.26x with 256. Then 256 -> 128 (2026-11-27,
-# Zen 4, `--methods ar hybrid hybrid:ctx=64 hybrid:ctx=128`, outputs identical to ar): HumanEval 20 1.37x ->
-# 1.39x and 1.46x -> 1.49x in two runs (64: 1.40x, 1.51x); Spec-Bench summarization+rag, 3 each, 1.08x ->
-# 1.13x (64: 1.13x, but decode 1.46x -> 1.40x from shorter accepted runs, where 128 kept 1.45x).
+# 191): lookup still sees the whole prompt. A short window makes the draft's prefill of long prompts cheap, and
+# 128 was faster than the whole prompt, 256 and 64 (`bench methods --methods ar hybrid hybrid:ctx=64
+# hybrid:ctx=128`; docs/measurements.md "Hybrid's draft context").
 HYBRID_DRAFT_CONTEXT = 128
 CHECKS = ("auto", "always", "never")
 

@@ -20,8 +20,8 @@ from .base import Draft
 class LookupConfig:
     max_ngram: int = 3
     # None: the method's default, 1 for `lookup` and 2 for `hybrid`. Hybrid's guesses are checked
-    # by the draft model, so a short match costs little: on HumanEval (`bench methods`, 20 prompts)
-    # 1 and 2 gave the same 1.46x; 2 keeps the guesses to text that repeats.
+    # by the draft model, so a short match costs little: on HumanEval (`bench methods`) 1 and 2 were
+    # as fast; 2 keeps the guesses to text that repeats.
     min_ngram: int | None = None
 
     def __post_init__(self) -> None:

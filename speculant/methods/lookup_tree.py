@@ -28,9 +28,8 @@ from .lookup import LookupConfig, NgramIndex
 
 @dataclass(frozen=True, slots=True)
 class LookupTreeConfig:
-    # Qwen2.5-Coder-1.5B, HumanEval 20 prompts x 128 tokens, one `bench methods` run: decode speedup
-    # 1.01x with these defaults vs 0.82x with branches=4,nodes=16,depth=8 (lookup 1.15x): each extra
-    # row costs ~0.3 of a target step on this CPU, and extra branches lift tau only 1.58 -> 1.66.
+    # Small: on CPUs without AMX each extra verified row costs a good part of a target step, and extra
+    # branches lift tokens per round only a little (`bench methods`; docs/measurements.md "Method defaults").
     branches: int = 2  # candidate continuations at most (earlier occurrences per n-gram kept)
     nodes: int = 8  # tree nodes per round at most (the target scores 1 + nodes rows)
     depth: int = 6  # tokens per continuation at most (the adaptive depth's ceiling)

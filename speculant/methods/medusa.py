@@ -4,7 +4,7 @@ Head k guesses the token k+2 places after the last scored position, all from the
 h_P (the target's final normed state at the last context token, whose logits chose `pending`). The
 tree is fixed for the head: a node is a path of ranks (r_1, ..., r_d), its token head d-1's rank-r_d
 guess. `static_tree` picks the `nodes` paths with the highest expected acceptance, the product of
-the heads' measured rank hit rates (Medusa's construction; training stores them, heads/train.py).
+the heads' measured rank hit rates (Medusa's construction; training stores them, training/train.py).
 Every node is a function of the context (no draws), so the tree is exact for sampling with q = None.
 """
 

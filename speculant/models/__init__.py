@@ -74,11 +74,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 # A draft model's format when none is asked for: drafting streams all of the draft's weights for every
-# token it drafts, and a draft's format moves only how often the target agrees, never the output. The
-# 0.5B Qwen2.5 draft (Q5_0 blocks, Q8_0 output) in Q4_0: one step 6.5 -> 4.8 ms, and `hybrid` on HumanEval 20
-# (scripts/draft_formats.py --formats gguf q4_0 q4_1, AMD EPYC Zen 5, 2 cores; README "Methods"): greedy
-# 1.399x -> 1.465x and 1.469x -> 1.536x `ar`; sampled (T 0.7, top-p 0.9) +1.2%, -3.8%, -0.8% in three runs.
-# Q4_1: 1.431x greedy, 1.336x sampled.
+# token it drafts, and a draft's format moves only how often the target agrees, never the output. Q4_0 made
+# the 0.5B Qwen2.5 draft's step about a quarter cheaper and greedy `hybrid` faster than the file's own
+# Q5_0 or Q4_1 (`scripts/draft_formats.py --formats gguf q4_0 q4_1`; docs/measurements.md "Draft format").
 DRAFT_DTYPE = "q4_0"
 # Bits per weight of the blocks' matrices above which a draft is requantized: the 0.5B's 5.52 (Q5_0 with
 # some Q4_K/Q6_K) is; a 4-bit file (Q4_K_M's 4.81, Q4_1's 5.0) keeps its own format: Q4_0's 4.5 would save

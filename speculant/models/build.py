@@ -251,9 +251,8 @@ def _load_states(path: Path) -> dict[str, Tensor | np.ndarray]:
     """The cache entry's tensors; GGML blocks (`*.ggml_data`) as numpy views of a read-only memory map
     of the file, as a GGUF file's tensors are, so their layers repack them into 16-row tiles on first use
     and release the file's pages (GGMLLinear): a converted model runs the kernels a .gguf runs. Read as
-    tensors, the blocks ran the slower unpacked kernels: `speculant generate -m qwen2.5-coder-0.5b-instruct
-    --dtype q4_0 --method ar -n 64 --stats`, 93-97 decode tok/s unpacked, 121-129 packed (AMD EPYC Zen 5,
-    alternating; q8_0 and q4_k, memory-bound either way, within noise)."""
+    tensors, the blocks ran the slower unpacked kernels (`speculant generate -m qwen2.5-coder-0.5b-instruct
+    --dtype q4_0 --method ar -n 64 --stats`; docs/measurements.md "Kernel choices")."""
     from safetensors import safe_open
 
     try:

@@ -30,9 +30,10 @@ Q8_BYTES = 34
 
 
 def default_kv_dtype(weights: str) -> str:
-    """The cache type a model in weight format `weights` gets unless asked otherwise: f16 (2 Zen 4 cores,
-    README "KV cache": mean KL to float32 0.001382 -> 0.001405, `ar` decode +10% on 600-1,000-token prompts,
-    +17-27% after 3,000), f32 beside the float32 reference weights, so that the reference stays float32."""
+    """The cache type a model in weight format `weights` gets unless asked otherwise: f16 (almost the same
+    fidelity as f32 and faster decoding after long prompts: `scripts/kv_fidelity.py`, `scripts/kv_decode.py`,
+    docs/measurements.md "KV cache"), f32 beside the float32 reference weights, so that the reference stays
+    float32."""
     return "f32" if weights == "float32" else "f16"
 
 
@@ -67,8 +68,8 @@ def hadamard(x: Tensor) -> Tensor:
     n = rot_size(hd) values, butterflies in attention.c's order (so the same bits). A q8_0 cache stores its rows
     rotated, as llama.cpp's quantized caches do: a channel far larger than its row's others (the 1.5B's layer-0
     keys reach ~300 beside values near 1) is spread over the block instead of setting a scale that drowns the
-    rest (README, "KV cache", `scripts/kv_fidelity.py`: the 1.5B's mean KL to float32 with a q8_0 cache 0.004947
-    unrotated, 0.003209 rotated; llama.cpp's rotated q8_0 cache 0.002765)."""
+    rest (`scripts/kv_fidelity.py`: rotated, the 1.5B's mean KL to float32 with a q8_0 cache is about 2/3 of the
+    unrotated one's; docs/measurements.md "KV cache")."""
     shape, n = x.shape, rot_size(x.shape[-1])
     y, h = x.float().reshape(-1, n), 1
     while h < n:

@@ -41,7 +41,8 @@ class QLinear(nn.Module):
 
 class FloatLinear(QLinear):
     # torch's float32 matmul splits short passes across threads by the thread count: the 0.5B's logits of
-    # 1- and 5-token passes differ in their last bits between 1 and 2 threads (/tmp/thr_bits2.py)
+    # 1- and 5-token passes differ in their last bits between 1 and 2 threads (tests/test_threads.py runs
+    # the engine at several thread counts)
     thread_invariant = False
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:

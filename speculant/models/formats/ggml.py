@@ -44,9 +44,9 @@ GGML_TYPES: dict[str, GGMLQuantizationType] = {
 }
 # what llama.cpp's quantizer uses for a tensor whose rows are not whole 256-value K-quant blocks
 K_FALLBACK = {GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0}
-# prefill: dequantize at most this many bytes of bf16 weights at a time (1.5B, 256-token prompt, 2 cores of an
-# AMD EPYC, a script timing Transformer.forward: 4 MB 124-125 tok/s, 32 MB 126, 1 MB 112, 16 MB 101, on a
-# noisy host; 4 MB keeps the chunk in cache and the buffer small)
+# prefill: dequantize at most this many bytes of bf16 weights at a time (4 MB keeps the chunk in cache and the
+# buffer small, and was as fast as any size tried: `SPECULANT_PREFILL=bf16 scripts/step_timing.py`;
+# docs/measurements.md "Kernel choices")
 _CHUNK_BYTES = 4 << 20
 
 
@@ -74,8 +74,7 @@ def packed_part(lib: ctypes.CDLL, p: Part, k: int, pack: bool | None = None) -> 
     if pack is None and _file_mapping(p.data) is None:
         return None
     # An anonymous mapping: page-aligned, and without the transparent huge pages numpy asks for on large
-    # arrays, which made this stream slower (1.5B, gate_up of 28 layers at M = 1: 10.7-11.4 ms on numpy's
-    # huge pages, 7.6-7.7 ms on 4 KB pages; AMD EPYC, THP in madvise mode)
+    # arrays, which made this stream slower (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices")
     out = np.frombuffer(mmap.mmap(-1, lib.gq_packed_bytes(p.qtype, p.rows, k)), dtype=np.uint8)
     # A chunk of rows at a time, each chunk's file pages released before the next: the file's pages and the
     # tiles of a large tensor (the 1.5B's 191 MB output layer) are never resident together
@@ -134,9 +133,9 @@ def prefill_routes() -> tuple[str, ...]:
     """How prompts may multiply GGML weights on this CPU, best first.
 
     "fused": the prompt as passes of SHORT_PASS_MAX rows through the fused block loop (blocks.c, x86 builds;
-    Transformer.forward chunks it), the short passes' kernel and row-wise attention: on an AMD EPYC Zen 4,
-    AVX-512 build, 1.5B / 0.5B draft, 64 tokens 1.18x / 1.45x gq_gemm's speed, 1024 tokens 1.07x / 1.11x;
-    AVX2 build 1.03-1.12x / 1.08-1.13x (scripts/prefill_routes.py; README, "Prefill routes").
+    Transformer.forward chunks it), the short passes' kernel and row-wise attention: faster than gq_gemm for
+    short and long prompts alike on the x86 builds (scripts/prefill_routes.py; docs/measurements.md "Prefill
+    routes").
     "gemm": gq_gemm (gq_gemm.h; the x86 builds, the block types gq_gemm_type accepts), the blocks as they are,
     one output per lane, for longer passes of one layer. "bf16": weights dequantized a chunk at a time into
     bf16 and multiplied by oneDNN (AVX512-BF16, or AMX, which outruns any int8 kernel here: there it comes

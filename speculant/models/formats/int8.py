@@ -1,6 +1,6 @@
 """int8 weights: per-output-channel symmetric int8, multiplied by FBGEMM through torch's quantized ops.
 
-FBGEMM on AVX2 is ~6x faster than fp32 for one row and stays cheap for 2-16 rows. Batch invariance:
+FBGEMM on AVX2 is several times faster than fp32 for one row and stays cheap for 2-16 rows. Batch invariance:
 FBGEMM's dynamic linear quantizes the *whole* activation matrix with one scale, so row i's result would
 depend on the other rows. We normalise every row to max|x| = 1 and append the two constant columns
 (+1, -1) (with zero weights) so that the activation range is exactly [-1, 1] in every call: the

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .modules import EagleHead, MedusaHeads
+from ..heads.modules import EagleHead, MedusaHeads
 
 STEP_DECAY = 0.8  # weight of each later head / unrolled step (Medusa's and EAGLE-3's choice)
 RANKS = 10  # Medusa: how often the target's token is the head's rank-r guess, r < RANKS (for the static tree)

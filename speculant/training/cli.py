@@ -48,9 +48,9 @@ def add_heads_parsers(sub) -> None:
 def cmd_train_heads(args: argparse.Namespace) -> int:
     from ..models import load_model
     from ..runtime import configure_threads
+    from ..heads.store import default_name, heads_dir
     from .answers import AnswerConfig, read_prompts
     from .data import DataConfig, default_sources, expand
-    from .store import default_name, heads_dir
     from .train import TrainConfig, train
 
     configure_threads(args.threads)
@@ -74,8 +74,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 def cmd_export_heads(args: argparse.Namespace) -> int:
     from ..models import load_model
-    from .formats import export_speculators, load_head
-    from .store import resolve_heads
+    from ..heads.formats import export_speculators, load_head
+    from ..heads.store import resolve_heads
 
     target = load_model(args.model, progress=False)
     folder = resolve_heads(args.heads, args.model, "eagle3")

@@ -26,12 +26,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculantError
+from ..heads.config import HEAD_METHODS, default_config
+from ..heads.formats import save_head, save_stats
+from ..heads.modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .answers import AnswerConfig, answer, answers_folder
-from .config import HEAD_METHODS, default_config
 from .data import DataConfig, batches, sequences
 from .features import Features, extract
-from .formats import save_head, save_stats
-from .modules import EagleHead, MedusaHeads, build_head, init_from_target
 from .objectives import eagle_loss, medusa_loss
 
 ANSWER_SHARE = 0.35  # of the time budget, at most, for the target's answers to --prompts
@@ -47,9 +47,8 @@ class TrainConfig:
     batch: int = 8
     lr: float | None = None  # None: 3e-3 for medusa, 4e-3 for eagle heads
     steps: int = 3  # unrolled EAGLE draft steps (training-time test)
-    # 8,192 draft ids: the output layer is most of an EAGLE step's work, and on SmolLM2 (5-minute runs, same
-    # text and held-out set) 8,192 ids at lr 4e-3 trained 1.8x more steps per second than 16,384 at 2e-3 and
-    # ended better (held-out top-1 at steps 1/2/3: 27.9/24.0/22.5% vs 25.9/20.6/18.0%)
+    # 8,192 draft ids: the output layer is most of an EAGLE step's work, and on SmolLM2 8,192 ids trained
+    # more steps per second than 16,384 and ended better held out (docs/measurements.md "Method defaults")
     draft_vocab: int = 8192
     medusa_heads: int = 4
     intermediate: int | None = None  # EAGLE layer's MLP width (None: the target's)
