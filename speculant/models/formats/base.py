@@ -63,8 +63,7 @@ class FloatLinear(QLinear):
         if x.dim() == 2 and 1 < M <= SHORT_PASS_MAX:
             # On the CPU MKL rounds a pass of M > 1 rows differently from M = 1, so a short pass goes row by
             # row through the M = 1 call a decode step makes: bit-identical to it. It reads the weights once a
-            # row, at about the cost of MKL's own small-M GEMM on the CPUs measured (0.5B-sized linears,
-            # 2 threads, M = 5 and 8: row by row 0.5-1.4x the time of one call).
+            # row, at about the cost of MKL's own small-M GEMM (docs/measurements.md "float32 passes").
             return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(M)])
         return F.linear(x, self.weight, self.bias)
 
