@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 import torch
 from scipy.stats import chisquare
 
+import speculant.engine as engine_module
+import speculant.tree_round as tree_module
+from speculant.candidates import Dist
 from speculant.engine import Engine, GenerationConfig
 from speculant.sampling import SamplingConfig
 from test_sampling import reference_probs
@@ -111,3 +114,17 @@ def sample_runs(engine_for: Callable[[int], Engine], prompt: list[int], sampling
         out.paused += done.stats.paused_rounds
         out.grew |= done.stats.drafted_tokens > done.stats.rounds
     return out
+
+
+def biased_acceptance(monkeypatch) -> None:
+    """The negative control: speculative rounds verify against p to the 8th power (renormalized), so accepted
+    drafts and resampled tokens lean to the likeliest token; plain sampling (the first token) is untouched.
+    (Squaring p was not always rejected in a few hundred runs: the tiny targets are flat.)"""
+
+    def sharp(p: Dist) -> Dist:
+        sq = p.p ** 8
+        return Dist(p.ids, sq / sq.sum(-1, keepdim=True), p.vocab)
+
+    chain, tree = engine_module.verify_sampled, tree_module.verify_tree_sampled
+    monkeypatch.setattr(engine_module, "verify_sampled", lambda d, q, p, g: chain(d, q, sharp(p), g))
+    monkeypatch.setattr(tree_module, "verify_tree_sampled", lambda t, p, g: tree(t, sharp(p), g))

@@ -16,7 +16,7 @@ from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, r
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
 from speculant.sampling import Sampler, SamplingConfig
-from sampled import exact_marginals, sample_runs
+from sampled import biased_acceptance, exact_marginals, sample_runs
 from test_sampling import INF, reference_adjust, reference_probs
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
@@ -260,6 +260,22 @@ def test_every_generated_position_has_the_targets_distribution(method, sampling,
     if variant == "vocab":
         assert r.counts[1:, 3].sum() > 0  # the target still emits the id the draft cannot propose
     assert min(r.pvalues(exp)) > 1e-4, r.pvalues(exp)
+
+
+def test_the_position_check_rejects_a_biased_acceptance(monkeypatch):
+    """The negative control of the test above, in its setup (the plain `draft` case, fewer runs): rounds that
+    verify against a biased p (tests/sampled.py) must be rejected."""
+    biased_acceptance(monkeypatch)
+    V, n_tok, runs, sampling = 4, 4, 600, SamplingConfig(1.0)
+    target = tiny_model(V, seed=5, logit_scale=0.2)
+    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
+    prompt = [0, 1, 2, 3] * 2 + [0, 1]
+    exp = exact_marginals(target, prompt, sampling, n_tok)
+    e = Engine(target, draft, MethodConfig("draft", DraftLengthConfig(k=3, schedule="fixed"),
+                                           draft_model=DraftModelConfig(min_confidence=0.0)))
+    r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, runs)
+    assert r.accepted > 0
+    assert min(r.pvalues(exp)) < 1e-6, r.pvalues(exp)
 
 
 def test_bad_inputs_are_clear_errors(pair):

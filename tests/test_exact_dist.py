@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.candidates import Dist
 from speculant.engine import Engine
 from speculant.heads.runtime import HeadsConfig
 from speculant.method import MethodConfig
@@ -20,7 +19,7 @@ from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
 from speculant.sampling import SamplingConfig
-from sampled import exact_joint, exact_paths, sample_runs
+from sampled import biased_acceptance, exact_joint, exact_paths, sample_runs
 from test_heads import random_head
 
 V = 4
@@ -72,22 +71,6 @@ CASES = {
 def heads(t, folder, method: str, **cfg) -> Engine:
     name = str(random_head(t, method, folder, seed=3, draft_vocab=3 if method == "eagle3" else None))
     return Engine(t, method=MethodConfig(method, heads=HeadsConfig(name=name, fmt="q8_0", **cfg)))
-
-
-def biased_acceptance(monkeypatch) -> None:
-    """The negative control: speculative rounds verify against p to the 8th power (renormalized), so accepted
-    drafts and resampled tokens lean to the likeliest token; plain sampling (the first token) is untouched.
-    (Squaring p was not always rejected at CONTROL_RUNS: the tiny targets are flat.)"""
-    import speculant.engine as engine_module
-    import speculant.tree_round as tree_module
-
-    def sharp(p: Dist) -> Dist:
-        sq = p.p ** 8
-        return Dist(p.ids, sq / sq.sum(-1, keepdim=True), p.vocab)
-
-    chain, tree = engine_module.verify_sampled, tree_module.verify_tree_sampled
-    monkeypatch.setattr(engine_module, "verify_sampled", lambda d, q, p, g: chain(d, q, sharp(p), g))
-    monkeypatch.setattr(tree_module, "verify_tree_sampled", lambda t, p, g: tree(t, sharp(p), g))
 
 
 _EXACT: dict = {}

@@ -17,7 +17,7 @@ from speculant.heads.modules import build_head, init_from_target
 from speculant.heads.runtime import HeadsConfig
 from speculant.methods.medusa import static_tree
 from speculant.sampling import SamplingConfig
-from sampled import exact_marginals, sample_runs
+from sampled import biased_acceptance, exact_marginals, sample_runs
 from test_engine import PENALTIES, PROMPT
 
 METHODS = ("medusa", "eagle2", "eagle3")
@@ -96,6 +96,19 @@ def test_sampled_distribution_exact(method, sampling, tmp_path):
     r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, RUNS)
     r.check_rounds(bool(governed))
     assert min(r.pvalues(exp)) > 1e-3, (method, r.pvalues(exp))
+
+
+def test_the_position_check_rejects_a_biased_acceptance(tmp_path, monkeypatch):
+    """The negative control of the test above, in its setup (eagle3 at temperature 1, fewer runs): tree rounds
+    that verify against a biased p (tests/sampled.py) must be rejected."""
+    biased_acceptance(monkeypatch)
+    target = tiny_model(V, seed=5, logit_scale=0.2, layers=3)
+    prompt, n_tok, sampling = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1], 4, SamplingConfig(1.0)
+    exp = exact_marginals(target, prompt, sampling, n_tok)
+    e = engine(target, "eagle3", random_head(target, "eagle3", tmp_path, seed=3), nodes=5, depth=3, topk=2)
+    r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, 500)
+    assert r.accepted > 0
+    assert min(r.pvalues(exp)) < 1e-6, r.pvalues(exp)
 
 
 def test_static_tree_is_prefix_closed_and_best_first():
