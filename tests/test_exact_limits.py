@@ -97,3 +97,19 @@ def test_thread_counts_follow_load_only_where_every_model_is_thread_invariant(mo
         e = Engine(target, method=MethodConfig("eagle3", heads=HeadsConfig(name=str(folder), fmt=fmt)))
         assert (e._share is not None) == follows, fmt
     assert Engine(target, tiny_model(32, seed=2), MethodConfig("draft"), threads=1)._share is None  # fixed
+
+
+def test_float32_results_do_not_depend_on_where_the_weights_start():
+    """MKL's one-row product sums in an order set by the weight's address: the same weights read from a
+    safetensors cache entry (8-byte aligned) and converted in memory gave different last bits. FloatLinear
+    keeps its weight 64-byte aligned, so every copy of a model gives the same logits."""
+    from speculant.models.formats.base import FloatLinear
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(192, 72, generator=g), torch.randn(1, 72, generator=g)
+    reference = FloatLinear(w, None)(x)
+    for offset in range(1, 16):  # the weight at 4-byte steps past a 64-byte boundary
+        view = torch.empty(w.numel() + 16)[offset:offset + w.numel()].view_as(w)
+        view.copy_(w)
+        # (on an AVX2 host the raw product, raw(x, view), differs from the reference at 12 of the 15 offsets)
+        assert torch.equal(FloatLinear(view, None)(x), reference), offset

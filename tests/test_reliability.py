@@ -121,18 +121,40 @@ def test_engine_api_sets_threads_as_the_cli_does(monkeypatch, keep_threads):
 _OPENMP = re.compile(r"lib(gomp|iomp5|omp)[-.\w]*\.so")
 
 
+_ONE_RUNTIME = """
+import ctypes, sys
+from pathlib import Path
+import torch
+from speculant.models import native
+torch.ones(1 << 16).sum()  # torch's OpenMP pool is started
+if not native.available():
+    sys.exit(3)
+lib = native.library()  # builds and loads the kernels (x86 with AVX2 and gcc)
+address = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value  # dlsym in the kernels' own dependencies
+for line in Path("/proc/self/maps").read_text().splitlines():
+    low, high = (int(v, 16) for v in line.split()[0].split("-"))
+    if low <= address < high:
+        print(line.split()[-1])
+print(Path(torch.__file__).parent)
+"""
+
+
 def test_kernels_and_torch_share_one_openmp_runtime():
     """Two OpenMP runtimes in one process would each start a thread pool of their own and fight for the
     cores. The native kernels are built with -fopenmp after torch has loaded its libgomp, so the loader
-    resolves theirs to the same library: /proc/self/maps lists exactly one OpenMP runtime file."""
-    torch.ones(1 << 16).sum()  # torch's OpenMP pool is started
-    if native.available():  # builds and loads the kernels (x86 with AVX2 and gcc)
-        lib_path = Path(native.library()._name)
-        maps = Path("/proc/self/maps").read_text()
-        assert str(lib_path) in maps
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    runtimes = {line.split()[-1] for line in maps if _OPENMP.search(line.split()[-1])}
-    assert len(runtimes) == 1, f"OpenMP runtimes mapped: {sorted(runtimes)}"
+    resolves theirs to torch's: the kernels' GOMP_parallel lies in the OpenMP library in torch's folder.
+    (Another idle runtime may be mapped: the gguf package imports sentencepiece where it is installed,
+    which ships a libgomp of its own under another name; no kernel or torch call reaches it.) In a process
+    of its own, so that what other tests import does not count."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _ONE_RUNTIME], capture_output=True, text=True, timeout=300)
+    if run.returncode == 3:
+        pytest.skip("the native kernels do not build on this host (x86 with AVX2 and gcc)")
+    assert run.returncode == 0, run.stderr[-2000:]
+    runtime_file, torch_dir = run.stdout.split()
+    assert _OPENMP.search(runtime_file) and runtime_file.startswith(torch_dir + "/"), run.stdout
 
 
 # -------------------------------------------------------------------------------------- draft lengths

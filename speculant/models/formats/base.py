@@ -48,7 +48,14 @@ class FloatLinear(QLinear):
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+        weight = weight.float().contiguous()
+        if weight.device.type == "cpu" and weight.data_ptr() % 64:
+            # MKL's one-row product sums in an order that depends on where the weight starts (16-, 32- and
+            # 64-byte offsets give different last bits): a weight read from a safetensors file (8-byte
+            # aligned) and the same weight converted in memory gave different logits. A fresh allocation is
+            # 64-byte aligned, so a model's float32 results do not depend on where its weights came from.
+            weight = weight.clone()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:  # x [M, K] -> [M, N]
