@@ -200,6 +200,19 @@ def test_tiny_folder_logits_match_transformers(tmp_path: Path, arch, dtype, shar
     assert worst < 1e-4, worst
 
 
+@pytest.mark.parametrize(("dtype", "fmt"), [(torch.float16, "f16"), (torch.bfloat16, "bf16")])
+def test_half_folder_runs_in_its_own_half_format(tmp_path: Path, dtype, fmt) -> None:
+    """--dtype f16 / bf16 on a folder stored in that type keeps the weights as stored: the logits are the
+    float32 run's up to the half-precision products. (f16 failed: the quantizer returns float16 values,
+    not the bytes of the rows.)"""
+    folder = save_tiny(tmp_path, "LlamaForCausalLM", dtype)
+    ids = [3, 17, 42, 5, 96, 0, 11]
+    model = build_transformer(HFSource(folder), fmt, cache_dir=None, progress=False)
+    half = model(torch.tensor(ids), model.new_cache(len(ids))).logits
+    worst = float((half - our_logits(folder, ids)).abs().max())
+    assert worst < 1e-4, worst  # (1.2e-7 here: the products are summed in float32)
+
+
 def test_sharded_folder_reads_only_indexed_files(tmp_path: Path) -> None:
     folder = save_tiny(tmp_path, "LlamaForCausalLM", torch.float32, shard="40KB")
     ids = [1, 2, 3]

@@ -365,7 +365,8 @@ class GGMLLinear(QLinear):
             data = quants.quantize(w, qtype)
         except (ValueError, NotImplementedError) as e:
             raise SpeculantError(f"cannot quantize a {tuple(weight.shape)} weight to {fmt}: {e}") from None
-        return cls([Part(int(qtype), np.ascontiguousarray(data))], weight.shape[1], bias)
+        # the float types come back as float16 values, not bytes: the layer holds rows of bytes
+        return cls([Part(int(qtype), np.ascontiguousarray(data).view(np.uint8))], weight.shape[1], bias)
 
 
 def quantize_k(lib: ctypes.CDLL, w: np.ndarray, qtype: GGMLQuantizationType, threads: int | None = None) -> np.ndarray:
