@@ -78,6 +78,17 @@ def attend(layer: DraftLayer, x: Tensor, residual: Tensor, cache: KVCache, posit
     return layer.finish(out, residual)
 
 
+def rope_tables_for(cfg: HeadConfig, target) -> tuple[Tensor, Tensor]:
+    """cos, sin [n, hd/2] the head rotates with, for the target's positions (`target` a Transformer):
+    the target's own tables, or the head's frequencies (a published drafter's rope_theta / scaling),
+    built the way rotary.rope_tables builds the target's."""
+    if not cfg.rope_inv_freq:
+        return target.cos, target.sin
+    n = target.cos.shape[0]
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), torch.tensor(cfg.rope_inv_freq, dtype=torch.float32))
+    return freqs.cos().to(target.cos.device), freqs.sin().to(target.cos.device)
+
+
 def inference_format() -> str:
     """The block format heads run in: q8_0 where the GGML kernels are built (4x fewer bytes a step
     than float32 at ~0.1% relative error), else float32."""
