@@ -29,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "every method, and needs no second model)")
     p.add_argument("--heads", default=None,
                    help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
-                        "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors)")
+                        "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors, or "
+                        "pytorch_model.bin through torch's weights-only loader)")
     p.add_argument("--drafter", default=None, metavar="PATH",
                    help="a published drafter folder (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or speculators "
                         "layout: config.json + model.safetensors or pytorch_model.bin), or any folder --heads takes; "

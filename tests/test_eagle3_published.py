@@ -345,3 +345,15 @@ def test_unreadable_files_are_clear_errors(qwen3, tmp_path, capsys):
     rc = main(["generate", "--model", str(qwen3), "--drafter", str(bad), "--no-progress", "t1"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("speculant: error:") and "d2t and t2d disagree" in err
+
+
+def test_models_endpoint_names_the_drafter(qwen3, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from speculant.server.app import ServerConfig, create_app
+
+    folder, _ = write_drafter(tmp_path / "spec", "speculators", vocab=128, draft_vocab=32, ids=[2, 3, 6])
+    engine = Engine(load_model(str(qwen3)), method=drafter_method(str(folder)), threads=1)
+    with TestClient(create_app(engine, ServerConfig("tiny-qwen3", shutdown_grace=0.0))) as client:
+        entry = client.get("/v1/models").json()["data"][0]
+    assert entry["method"] == "eagle3" and entry["drafter"] == str(folder)

@@ -65,10 +65,10 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
     for key, what in _UNSUPPORTED.items():
         if raw.get(key):
             raise SpeculantError(f"{folder}: {key}=true ({what}) is not supported by speculant's EAGLE-3 runtime")
-    kind = layer_cfg.get("model_type", "llama")
-    if kind not in ("llama", None) or any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in tensors):
-        raise SpeculantError(f"{folder}: the drafter's layer is a {kind!r} layer (q/k norms); speculant runs "
-                             "EAGLE-3 drafters whose layer is a Llama decoder layer")
+    # the EAGLE repo and SpecForge build a Llama layer whatever model_type says; speculators' qwen3 layer has q/k norms
+    if any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in tensors):
+        raise SpeculantError(f"{folder}: the drafter's layer has q/k norms (a {layer_cfg.get('model_type')!r} layer); "
+                             "speculant runs EAGLE-3 drafters whose layer is a Llama decoder layer")
     n_layers = int(layer_cfg.get("num_hidden_layers", 1) or 1)
     if n_layers != 1 or any(k.startswith("layers.1.") for k in tensors):
         raise SpeculantError(f"{folder}: the drafter has {n_layers} decoder layers; speculant runs EAGLE-3 drafters "
