@@ -296,7 +296,7 @@ def test_sampled_distribution_exact(qwen3_v4, tmp_path):
 
 def test_the_check_rejects_a_biased_acceptance(qwen3_v4, tmp_path, monkeypatch):
     biased_acceptance(monkeypatch)
-    r, exp = _sampled(qwen3_v4, tmp_path, 250)
+    r, exp = _sampled(qwen3_v4, tmp_path, 150)
     assert r.accepted > 0
     assert min(r.pvalues(exp)) < 1e-6, r.pvalues(exp)
 
