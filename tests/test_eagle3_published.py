@@ -110,6 +110,11 @@ def write_drafter(folder, layout: str, *, vocab: int, draft_vocab: int, seed: in
     if layout == "specforge":
         t["embed_tokens.weight"] = rnd(vocab, hidden, std=1.0)  # SpecForge saves the (frozen) embedding too
     cfg.update(extra or {})
+    if cfg.get("norm_before_fc"):  # speculators: one RMSNorm over the concatenated taps, then fc
+        t["input_norm.weight"] = 1 + rnd(3 * hidden, std=0.2)
+    if cfg.get("fc_norm"):  # speculators: an RMSNorm per tap
+        for i in range(3):
+            t[f"fc_norm.{i}.weight"] = 1 + rnd(hidden, std=0.2)
     folder.mkdir(parents=True, exist_ok=True)
     written = {prefix + k if k not in ("d2t", "t2d", "lm_head.weight") else k: v.contiguous() for k, v in t.items()}
     if layout == "eagle":  # the EAGLE repo and AngelSlim ship pytorch_model.bin
@@ -142,7 +147,7 @@ class ReferenceEagle3:
     """An EAGLE-3 drafter from the raw tensors, with transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm and its
     DynamicCache; the first-layer forward as speculators' Eagle3FirstLayerMixin.forward."""
 
-    def __init__(self, t: dict, layout: str, norm_before_residual: bool, vocab: int):
+    def __init__(self, t: dict, layout: str, norm_before_residual: bool, vocab: int, options: dict | None = None):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
@@ -163,7 +168,7 @@ class ReferenceEagle3:
                           ("post", f"{p}post_attention_layernorm"), ("final", "norm")):
             self.norms[name] = LlamaRMSNorm(D, eps=1e-6)
             self.norms[name].weight.data.copy_(t[f"{key}.weight"])
-        self.t, self.nbr = t, norm_before_residual
+        self.t, self.nbr, self.options = t, norm_before_residual, options or {}
         self.inv_freq = _inv_freq(ROPE[layout], HD)
 
     def layer(self, embeds, hidden, positions, cache):
@@ -185,7 +190,20 @@ class ReferenceEagle3:
         """Greedy drafts: rows (feature of position p, token p+1), then k steps feeding back the layer's output."""
         from transformers import DynamicCache
 
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
         cache = DynamicCache()
+        if self.options.get("norm_before_fc"):  # speculators' Eagle3DraftModel.forward: input_norm, fc_norm, fc
+            norm = LlamaRMSNorm(3 * D, eps=1e-6)
+            norm.weight.data.copy_(self.t["input_norm.weight"])
+            feats = norm(feats)
+        if self.options.get("fc_norm"):
+            chunks = []
+            for i, c in enumerate(feats.chunk(3, -1)):
+                norm = LlamaRMSNorm(D, eps=1e-6)
+                norm.weight.data.copy_(self.t[f"fc_norm.{i}.weight"])
+                chunks.append(norm(c))
+            feats = torch.cat(chunks, -1)
         hidden = feats @ self.t["fc.weight"].T
         ids = self.t["d2t"] + torch.arange(self.t["d2t"].numel())
         pos = torch.arange(len(tokens))
@@ -196,19 +214,25 @@ class ReferenceEagle3:
             first = logits if first is None else first
             nxt = int(ids[int(logits.argmax())])
             drafts.append(nxt)
-            hidden, tokens, pos = o[-1:], [nxt], pos[-1:] + 1
+            hidden = self.norms["final"](o[-1:]) if self.options.get("norm_output") else o[-1:]
+            tokens, pos = [nxt], pos[-1:] + 1
         return drafts, first
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+SPECULATORS_OPTIONS = {"concat": {"norm_before_fc": True}, "per_tap": {"fc_norm": True, "norm_output": True}}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "speculators-concat", "speculators-per_tap"])
 def test_drafts_match_the_reference(layout, qwen3, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    layout, _, variant = layout.partition("-")
+    options = SPECULATORS_OPTIONS.get(variant, {})
     ids = [1, 3, 5] if layout != "specforge" else None  # specforge: EAGLE-3's default (2, N/2, N-3) = (2, 3, 3)
-    nbr = layout == "speculators"
+    nbr = layout == "speculators" and not variant
     # the specforge drafter's names under `model.` (a wrapper's save_pretrained) read the same
     folder, t = write_drafter(tmp_path / layout, layout, vocab=128, draft_vocab=40, seed=11, ids=ids,
-                              norm_before_residual=nbr, prefix="model." if layout == "specforge" else "")
+                              norm_before_residual=nbr, prefix="model." if layout == "specforge" else "", extra=options)
     target = load_model(str(qwen3), "float32")
     head, _ = load_heads(target, "eagle3", HeadsConfig(str(folder), fmt="float32"))
     assert head.cfg.taps == tuple(i - 1 for i in (ids or (2, 3, 3)))
@@ -227,7 +251,7 @@ def test_drafts_match_the_reference(layout, qwen3, tmp_path):
     with torch.no_grad():
         hs = ref_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         feats = torch.cat([hs[i][0] for i in (ids or (2, 3, 3))], -1)
-        ref = ReferenceEagle3(t, layout, nbr, 128)
+        ref = ReferenceEagle3(t, layout, nbr, 128, options)
         drafts, first = ref.draft_chain(feats, ref_model.model.embed_tokens.weight, prompt[1:] + [pending], k)
         ours = head.logits(fresh._pass(head.first_feature(torch.cat([out.taps[x] for x in head.cfg.taps], -1)),
                                          torch.tensor(prompt[1:] + [pending]), None, torch.arange(len(prompt)))[-1])
@@ -307,7 +331,7 @@ def test_the_check_rejects_a_biased_acceptance(qwen3_v4, tmp_path, monkeypatch):
     (dict(vocab=100), "vocabulary of 100 tokens, the target has 128"),
     (dict(ids=[2, 3, 7]), "the target has 6 layers"),
     (dict(ids=[0, 3, 5]), "0 = the embeddings"),
-    (dict(extra={"norm_before_fc": True}), "norm_before_fc"),
+    (dict(extra={"norm_before_fc": True, "fc_norm": True}), "norm_before_fc and fc_norm are exclusive"),
     (dict(extra={"draft_vocab_size": 20}), "lm_head has 40 rows, draft_vocab_size says 20"),
 ])
 def test_mismatched_drafters_are_clear_errors(change, needle, qwen3, tmp_path):
@@ -357,3 +381,26 @@ def test_models_endpoint_names_the_drafter(qwen3, tmp_path):
     with TestClient(create_app(engine, ServerConfig("tiny-qwen3", shutdown_grace=0.0))) as client:
         entry = client.get("/v1/models").json()["data"][0]
     assert entry["method"] == "eagle3" and entry["drafter"] == str(folder)
+
+
+def test_speculators_options_survive_export_and_our_format(qwen3, tmp_path):
+    """A drafter with fc_norm and norm_output written back (speculators layout, speculant's own) drafts the same."""
+    from speculant.heads.formats import export_speculators, save_head
+
+    target = load_model(str(qwen3), "float32")
+    folder, _ = write_drafter(tmp_path / "d", "speculators", vocab=128, draft_vocab=40, seed=4, ids=[1, 3, 5],
+                              extra=SPECULATORS_OPTIONS["per_tap"])
+    heads = [load_head(folder, target.config)[0]]
+    heads.append(load_head(export_speculators(heads[0], tmp_path / "exported", target.config), target.config)[0])
+    heads.append(load_head(save_head(heads[0], tmp_path / "ours"), target.config)[0])
+    prompt = list(range(3, 40, 3))
+    m = target.model
+    out = m(torch.tensor(prompt), m.new_cache(64), taps=heads[0].cfg.taps)
+    trees = []
+    for head in heads:
+        assert head.cfg.feature_norm == "per_tap" and head.cfg.norm_output
+        d = EagleDrafter(head, m, HeadsConfig(nodes=6, depth=3, topk=2, fmt="float32"), 64)
+        d.start(prompt, out.taps)
+        tree = d.propose(7, 6)
+        trees.append((tree.tokens.tolist(), tree.parents))
+    assert trees[0] == trees[1] == trees[2]

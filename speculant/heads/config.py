@@ -39,6 +39,10 @@ class HeadConfig:
     fc_bias: bool = False
     qkv_bias: bool = False
     norm_before_residual: bool = False  # speculators' eagle3 option: hidden_norm before the residual is kept
+    # speculators' eagle3 options: RMSNorm of the taps before fc, over their concatenation ("concat",
+    # norm_before_fc) or of each tap ("per_tap", fc_norm); feed the normed output back between steps
+    feature_norm: str = "none"
+    norm_output: bool = False
     own_lm_head: bool = True  # eagle2 (EAGLE-1 layout) reuses the target's output rows instead
     # The layer's own rotary inverse frequencies (head_dim/2; a published drafter's rope_theta and
     # rope_scaling); empty: the target's rotary tables, as heads trained here use.
@@ -64,6 +68,8 @@ class HeadConfig:
             raise SpeculantError(f"{self.method} needs n_heads, n_kv_heads, head_dim, intermediate >= 1")
         if self.n_heads % self.n_kv_heads:
             raise SpeculantError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.feature_norm not in ("none", "concat", "per_tap"):
+            raise SpeculantError(f"feature_norm must be none, concat or per_tap, got {self.feature_norm!r}")
         if self.rope_inv_freq and len(self.rope_inv_freq) != self.head_dim // 2:
             raise SpeculantError(f"rope_inv_freq has {len(self.rope_inv_freq)} frequencies; head_dim {self.head_dim} "
                                  f"needs {self.head_dim // 2}")

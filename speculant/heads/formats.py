@@ -248,6 +248,10 @@ def _eagle3_from(raw: dict, t: dict[str, Tensor], target_cfg, folder: Path) -> E
              "hidden_norm": _need(t, f"{p}hidden_norm.weight", folder), **_layer_from_hf(head, t, p, folder)}
     if cfg.fc_bias:
         state["fc.bias"] = t["fc.bias"].float()
+    if cfg.feature_norm == "concat":  # speculators' norm_before_fc
+        state["feature_norm"] = _need(t, "input_norm.weight", folder)
+    elif cfg.feature_norm == "per_tap":  # speculators' fc_norm
+        state["feature_norm"] = torch.stack([_need(t, f"fc_norm.{i}.weight", folder) for i in range(len(cfg.taps))])
     _load_state(head, state, folder, allow_missing=("t2d", "d2t"))
     ids = vocab_map(t, cfg, folder)
     if ids is not None:
@@ -287,6 +291,10 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
            f"{p}post_attention_layernorm.weight": s["layer.post_norm"], f"{p}self_attn.o_proj.weight": s["layer.o.weight"],
            f"{p}mlp.gate_proj.weight": gate, f"{p}mlp.up_proj.weight": up, f"{p}mlp.down_proj.weight": s["layer.down.weight"],
            "d2t": head.d2t - torch.arange(cfg.draft_vocab), "t2d": head.t2d >= 0}
+    if cfg.feature_norm == "concat":
+        out["input_norm.weight"] = s["feature_norm"]
+    elif cfg.feature_norm == "per_tap":
+        out.update({f"fc_norm.{i}.weight": w for i, w in enumerate(s["feature_norm"])})
     for n, w in zip("qkv", qkv):
         out[f"{p}self_attn.{n}_proj.weight"] = w
     if cfg.qkv_bias:
@@ -308,6 +316,8 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
                                  "original_max_position_embeddings": r.original_max_position_embeddings}
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.1.0",
               "draft_vocab_size": cfg.draft_vocab, "norm_before_residual": cfg.norm_before_residual,
+              "norm_before_fc": cfg.feature_norm == "concat", "fc_norm": cfg.feature_norm == "per_tap",
+              "norm_output": cfg.norm_output,
               "target_hidden_size": cfg.hidden, "eagle_aux_hidden_state_layer_ids": [x + 1 for x in cfg.taps],
               "transformer_layer_config": layer, "torch_dtype": "float32",
               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",

@@ -8,13 +8,14 @@ Three layouts carry the same model (Li et al. 2025; the math below is that of th
 |---|---|---|
 | EAGLE repo / AngelSlim | Llama config, `architectures: [LlamaForCausalLMEagle3]`, `draft_vocab_size`, optional `eagle_config.eagle_aux_hidden_state_layer_ids` | `midlayer.*` |
 | SpecForge | the same config | `midlayer.*`, or `model.`-prefixed names where a wrapper saved them |
-| speculators (RedHatAI, vLLM) | `speculators_model_type: eagle3`, `transformer_layer_config`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual` | `layers.0.*` |
+| speculators (RedHatAI, vLLM) | `speculators_model_type: eagle3`, `transformer_layer_config`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual`, `norm_before_fc`, `fc_norm`, `norm_output` | `layers.0.*` (+ `input_norm` or `fc_norm.{i}`) |
 
 All hold `fc.weight` [D, 3D], `norm.weight`, `lm_head.weight` [Vd, D], `d2t` [Vd] (offsets: draft id i
 is target id i + d2t[i]) and `t2d` [V] (bool: the target ids in the draft vocabulary). A step:
 h = fc(concat of the target's taps) on the first step, the layer's previous output after; the layer
 reads [rms(embed(x)); rms(h)] (2D wide), keeps h (or rms(h) with norm_before_residual) as residual,
-and its output o gives logits lm_head(rms(o)). The embedding is the target's own (EAGLE-3 trains with
+and its output o gives logits lm_head(rms(o)). speculators' options: the taps RMS-normed before fc, all
+together (norm_before_fc) or each (fc_norm); rms(o) fed back instead of o (norm_output). The embedding is the target's own (EAGLE-3 trains with
 it frozen; an `embed_tokens.weight` in the file is ignored). The rotary is the drafter's own
 (`rope_theta`, `rope_scaling` of its config), at the target's positions.
 
@@ -38,9 +39,6 @@ from .config import HeadConfig
 _LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
                "hidden_act")
-# speculators options that change the math and that speculant does not run
-_UNSUPPORTED = {"norm_before_fc": "an RMSNorm over the concatenated taps before fc",
-                "fc_norm": "per-tap RMSNorms before fc", "norm_output": "normed outputs fed back between steps"}
 
 
 def is_eagle3(raw: dict, tensors: dict[str, Tensor]) -> bool:
@@ -62,9 +60,8 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
     layer_cfg = raw.get("transformer_layer_config") if speculators else raw
     if not isinstance(layer_cfg, dict):
         raise SpeculantError(f"{folder}/config.json: transformer_layer_config must be an object")
-    for key, what in _UNSUPPORTED.items():
-        if raw.get(key):
-            raise SpeculantError(f"{folder}: {key}=true ({what}) is not supported by speculant's EAGLE-3 runtime")
+    if raw.get("norm_before_fc") and raw.get("fc_norm"):
+        raise SpeculantError(f"{folder}/config.json: norm_before_fc and fc_norm are exclusive (speculators says so too)")
     # the EAGLE repo and SpecForge build a Llama layer whatever model_type says; speculators' qwen3 layer has q/k norms
     if any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in tensors):
         raise SpeculantError(f"{folder}: the drafter's layer has q/k norms (a {layer_cfg.get('model_type')!r} layer); "
@@ -106,6 +103,8 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
                       head_dim=layer.head_dim, intermediate=layer.hidden_dim, norm_eps=layer.norm_eps,
                       fc_bias="fc.bias" in tensors, qkv_bias=f"{p}self_attn.q_proj.bias" in tensors,
                       norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                      feature_norm="concat" if raw.get("norm_before_fc") else "per_tap" if raw.get("fc_norm") else "none",
+                      norm_output=bool(raw.get("norm_output", False)),
                       rope_inv_freq=tuple(layer.inv_freq()))
 
 

@@ -122,7 +122,7 @@ class EagleDrafter:
                 mask[r, slots] = True
             mask = mask.to(dev)  # built on the host, then one copy
             if depth == 2:
-                feature = h_root.expand(S, -1)
+                feature = head.next_feature(h_root).expand(S, -1)
             else:
                 feature = h_prev[torch.tensor([pos_of[parents[e]] for e in expand], device=dev)]
             positions = torch.full((S,), root_pos + depth - 1, device=dev)
@@ -136,7 +136,7 @@ class EagleDrafter:
             layer_nodes = list(range(n, n + len(new_parents)))
             n += len(new_parents)
             all_scores = torch.cat(scores)
-            h_prev, pos_of = out, {e: r for r, e in enumerate(expand)}
+            h_prev, pos_of = head.next_feature(out), {e: r for r, e in enumerate(expand)}
         self.cache.rollback(committed)
         return _select(head.d2t[torch.cat(ids)], parents, all_scores, budget)
 
