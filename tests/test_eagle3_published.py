@@ -79,7 +79,7 @@ ROPE = {"eagle": {"rope_theta": 10000.0},
 
 def write_drafter(folder, layout: str, *, vocab: int, draft_vocab: int, seed: int = 0, ids=None, hidden: int = D,
                   scale: float = 1.0, norm_before_residual: bool = False, prefix: str = "", extra: dict | None = None,
-                  target_rows: torch.Tensor | None = None):
+                  target_rows: torch.Tensor | None = None, qwen3_layer: bool = False):
     """A random EAGLE-3 drafter in `layout`; returns (folder, its tensors as written)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -110,6 +110,9 @@ def write_drafter(folder, layout: str, *, vocab: int, draft_vocab: int, seed: in
     if layout == "specforge":
         t["embed_tokens.weight"] = rnd(vocab, hidden, std=1.0)  # SpecForge saves the (frozen) embedding too
     cfg.update(extra or {})
+    if qwen3_layer:  # speculators' qwen3 first layer: q/k norms over each head
+        cfg["transformer_layer_config"]["model_type"] = "qwen3"
+        t[f"{p}self_attn.q_norm.weight"], t[f"{p}self_attn.k_norm.weight"] = 1 + rnd(HD, std=0.2), 1 + rnd(HD, std=0.2)
     if cfg.get("norm_before_fc"):  # speculators: one RMSNorm over the concatenated taps, then fc
         t["input_norm.weight"] = 1 + rnd(3 * hidden, std=0.2)
     if cfg.get("fc_norm"):  # speculators: an RMSNorm per tap
@@ -148,14 +151,22 @@ class ReferenceEagle3:
     DynamicCache; the first-layer forward as speculators' Eagle3FirstLayerMixin.forward."""
 
     def __init__(self, t: dict, layout: str, norm_before_residual: bool, vocab: int, options: dict | None = None):
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig, Qwen3Config
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
         p = "layers.0." if layout == "speculators" else "midlayer."
         cfg = LlamaConfig(hidden_size=D, intermediate_size=DFF, num_attention_heads=H, num_key_value_heads=HKV,
                           head_dim=HD, rms_norm_eps=1e-6, vocab_size=vocab)
         cfg._attn_implementation = "eager"
         self.attn = LlamaAttention(cfg, layer_idx=0)
+        if f"{p}self_attn.q_norm.weight" in t:  # speculators' Qwen3DecoderEagle3FirstLayer
+            qcfg = Qwen3Config(hidden_size=D, intermediate_size=DFF, num_attention_heads=H, num_key_value_heads=HKV,
+                               head_dim=HD, rms_norm_eps=1e-6, vocab_size=vocab, num_hidden_layers=1)
+            qcfg._attn_implementation = "eager"
+            self.attn = Qwen3Attention(qcfg, layer_idx=0)
+            self.attn.q_norm.weight.data.copy_(t[f"{p}self_attn.q_norm.weight"])
+            self.attn.k_norm.weight.data.copy_(t[f"{p}self_attn.k_norm.weight"])
         for n in "qkvo":  # q/k/v read 2D: [embeds; hidden]
             w = t[f"{p}self_attn.{n}_proj.weight"]
             setattr(self.attn, f"{n}_proj", torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
@@ -219,10 +230,10 @@ class ReferenceEagle3:
         return drafts, first
 
 
-SPECULATORS_OPTIONS = {"concat": {"norm_before_fc": True}, "per_tap": {"fc_norm": True, "norm_output": True}}
+SPECULATORS_OPTIONS = {"concat": {"norm_before_fc": True}, "per_tap": {"fc_norm": True, "norm_output": True}, "qwen3": {}}
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "speculators-concat", "speculators-per_tap"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "speculators-concat", "speculators-per_tap", "speculators-qwen3"])
 def test_drafts_match_the_reference(layout, qwen3, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -232,7 +243,8 @@ def test_drafts_match_the_reference(layout, qwen3, tmp_path):
     nbr = layout == "speculators" and not variant
     # the specforge drafter's names under `model.` (a wrapper's save_pretrained) read the same
     folder, t = write_drafter(tmp_path / layout, layout, vocab=128, draft_vocab=40, seed=11, ids=ids,
-                              norm_before_residual=nbr, prefix="model." if layout == "specforge" else "", extra=options)
+                              norm_before_residual=nbr, prefix="model." if layout == "specforge" else "", extra=options,
+                              qwen3_layer=variant == "qwen3")
     target = load_model(str(qwen3), "float32")
     head, _ = load_heads(target, "eagle3", HeadsConfig(str(folder), fmt="float32"))
     assert head.cfg.taps == tuple(i - 1 for i in (ids or (2, 3, 3)))

@@ -43,6 +43,7 @@ class HeadConfig:
     # norm_before_fc) or of each tap ("per_tap", fc_norm); feed the normed output back between steps
     feature_norm: str = "none"
     norm_output: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (speculators' qwen3 layer)
     own_lm_head: bool = True  # eagle2 (EAGLE-1 layout) reuses the target's output rows instead
     # The layer's own rotary inverse frequencies (head_dim/2; a published drafter's rope_theta and
     # rope_scaling); empty: the target's rotary tables, as heads trained here use.

@@ -217,6 +217,9 @@ def _layer_from_hf(head: EagleHead, t: dict[str, Tensor], p: str, folder: Path) 
            "layer.post_norm": _need(t, f"{p}post_attention_layernorm.weight", folder)}
     for ours, hf in _HF_LINEARS.items():
         out[f"layer.{ours}.weight"] = _need(t, f"{p}{hf}.weight", folder)
+    if head.cfg.qk_norm:
+        out["layer.q_norm"] = _need(t, f"{p}self_attn.q_norm.weight", folder)
+        out["layer.k_norm"] = _need(t, f"{p}self_attn.k_norm.weight", folder)
     if head.cfg.qkv_bias:
         out["layer.qkv.bias"] = torch.cat([_need(t, f"{p}self_attn.{n}_proj.bias", folder) for n in "qkv"])
     return out
@@ -291,6 +294,8 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
            f"{p}post_attention_layernorm.weight": s["layer.post_norm"], f"{p}self_attn.o_proj.weight": s["layer.o.weight"],
            f"{p}mlp.gate_proj.weight": gate, f"{p}mlp.up_proj.weight": up, f"{p}mlp.down_proj.weight": s["layer.down.weight"],
            "d2t": head.d2t - torch.arange(cfg.draft_vocab), "t2d": head.t2d >= 0}
+    if cfg.qk_norm:
+        out[f"{p}self_attn.q_norm.weight"], out[f"{p}self_attn.k_norm.weight"] = s["layer.q_norm"], s["layer.k_norm"]
     if cfg.feature_norm == "concat":
         out["input_norm.weight"] = s["feature_norm"]
     elif cfg.feature_norm == "per_tap":
@@ -304,7 +309,8 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
         out["fc.bias"] = s["fc.bias"]
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden,
+    layer = {"model_type": "qwen3" if cfg.qk_norm else "llama",
+             "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"], "hidden_size": cfg.hidden,
              "intermediate_size": cfg.intermediate, "num_attention_heads": H, "num_key_value_heads": Hkv,
              "head_dim": hd, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
              "vocab_size": cfg.vocab, "rope_theta": target_cfg.rope_base, "max_position_embeddings": target_cfg.context_length,

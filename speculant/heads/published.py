@@ -15,7 +15,8 @@ is target id i + d2t[i]) and `t2d` [V] (bool: the target ids in the draft vocabu
 h = fc(concat of the target's taps) on the first step, the layer's previous output after; the layer
 reads [rms(embed(x)); rms(h)] (2D wide), keeps h (or rms(h) with norm_before_residual) as residual,
 and its output o gives logits lm_head(rms(o)). speculators' options: the taps RMS-normed before fc, all
-together (norm_before_fc) or each (fc_norm); rms(o) fed back instead of o (norm_output). The embedding is the target's own (EAGLE-3 trains with
+together (norm_before_fc) or each (fc_norm); rms(o) fed back instead of o (norm_output); a Qwen3 layer
+(transformer_layer_config model_type qwen3: q/k RMSNorms per head before the rotary). The embedding is the target's own (EAGLE-3 trains with
 it frozen; an `embed_tokens.weight` in the file is ignored). The rotary is the drafter's own
 (`rope_theta`, `rope_scaling` of its config), at the target's positions.
 
@@ -62,16 +63,16 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
         raise SpeculantError(f"{folder}/config.json: transformer_layer_config must be an object")
     if raw.get("norm_before_fc") and raw.get("fc_norm"):
         raise SpeculantError(f"{folder}/config.json: norm_before_fc and fc_norm are exclusive (speculators says so too)")
-    # the EAGLE repo and SpecForge build a Llama layer whatever model_type says; speculators' qwen3 layer has q/k norms
-    if any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in tensors):
-        raise SpeculantError(f"{folder}: the drafter's layer has q/k norms (a {layer_cfg.get('model_type')!r} layer); "
-                             "speculant runs EAGLE-3 drafters whose layer is a Llama decoder layer")
     n_layers = int(layer_cfg.get("num_hidden_layers", 1) or 1)
     if n_layers != 1 or any(k.startswith("layers.1.") for k in tensors):
         raise SpeculantError(f"{folder}: the drafter has {n_layers} decoder layers; speculant runs EAGLE-3 drafters "
                              "of one layer")
     src = f"{folder}/config.json"
+    # the EAGLE repo and SpecForge build a Llama layer whatever model_type says; speculators builds a Qwen3
+    # layer (q/k norms, transformers' Qwen3Config head_dim default 128) for model_type qwen3
+    qwen3 = layer_cfg.get("model_type") == "qwen3" and speculators
     layer = config_from_hf({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "vocab_size": 1,
+                            **({"head_dim": 128} if qwen3 else {}),
                             **{k: layer_cfg[k] for k in _LAYER_KEYS if k in layer_cfg}},
                            source=src, has_lm_head=True)
     D = target_cfg.dim
@@ -105,6 +106,7 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
                       norm_before_residual=bool(raw.get("norm_before_residual", False)),
                       feature_norm="concat" if raw.get("norm_before_fc") else "per_tap" if raw.get("fc_norm") else "none",
                       norm_output=bool(raw.get("norm_output", False)),
+                      qk_norm=qwen3 or f"{layer_prefix(tensors)}self_attn.q_norm.weight" in tensors,
                       rope_inv_freq=tuple(layer.inv_freq()))
 
 
