@@ -15,11 +15,11 @@ written by transformers):
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
+from eagle3_ref import ReferenceEagle3
 from sampled import biased_acceptance, exact_marginals, sample_runs
 from speculant import Engine, GenerationConfig, MethodConfig, SamplingConfig, drafter_method, load_model
 from speculant.cli import main
@@ -130,106 +130,7 @@ def write_drafter(folder, layout: str, *, vocab: int, draft_vocab: int, seed: in
     return folder, t
 
 
-# ---------------------------------------------------------------- (a) the reference EAGLE-3 step
-def _inv_freq(rope: dict, hd: int) -> torch.Tensor:
-    """transformers' default and llama3 rotary inverse frequencies (modeling_rope_utils)."""
-    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd)
-    s = rope.get("rope_scaling")
-    if not s:
-        return inv
-    old = s["original_max_position_embeddings"]
-    low_wl, high_wl = old / s["low_freq_factor"], old / s["high_freq_factor"]
-    wl = 2 * math.pi / inv
-    out = torch.where(wl > low_wl, inv / s["factor"], inv)
-    smooth = (old / wl - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
-    smoothed = (1 - smooth) * out / s["factor"] + smooth * out
-    return torch.where(~(wl < high_wl) & ~(wl > low_wl), smoothed, out)
-
-
-class ReferenceEagle3:
-    """An EAGLE-3 drafter from the raw tensors, with transformers' LlamaAttention / LlamaMLP / LlamaRMSNorm and its
-    DynamicCache; the first-layer forward as speculators' Eagle3FirstLayerMixin.forward."""
-
-    def __init__(self, t: dict, layout: str, norm_before_residual: bool, vocab: int, options: dict | None = None):
-        from transformers import LlamaConfig, Qwen3Config
-        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-
-        p = "layers.0." if layout == "speculators" else "midlayer."
-        cfg = LlamaConfig(hidden_size=D, intermediate_size=DFF, num_attention_heads=H, num_key_value_heads=HKV,
-                          head_dim=HD, rms_norm_eps=1e-6, vocab_size=vocab)
-        cfg._attn_implementation = "eager"
-        self.attn = LlamaAttention(cfg, layer_idx=0)
-        if f"{p}self_attn.q_norm.weight" in t:  # speculators' Qwen3DecoderEagle3FirstLayer
-            qcfg = Qwen3Config(hidden_size=D, intermediate_size=DFF, num_attention_heads=H, num_key_value_heads=HKV,
-                               head_dim=HD, rms_norm_eps=1e-6, vocab_size=vocab, num_hidden_layers=1)
-            qcfg._attn_implementation = "eager"
-            self.attn = Qwen3Attention(qcfg, layer_idx=0)
-            self.attn.q_norm.weight.data.copy_(t[f"{p}self_attn.q_norm.weight"])
-            self.attn.k_norm.weight.data.copy_(t[f"{p}self_attn.k_norm.weight"])
-        for n in "qkvo":  # q/k/v read 2D: [embeds; hidden]
-            w = t[f"{p}self_attn.{n}_proj.weight"]
-            setattr(self.attn, f"{n}_proj", torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
-            getattr(self.attn, f"{n}_proj").weight.data.copy_(w)
-        self.mlp = LlamaMLP(cfg)
-        for n in ("gate", "up", "down"):
-            getattr(self.mlp, f"{n}_proj").weight.data.copy_(t[f"{p}mlp.{n}_proj.weight"])
-        self.norms = {}
-        for name, key in (("input", f"{p}input_layernorm"), ("hidden", f"{p}hidden_norm"),
-                          ("post", f"{p}post_attention_layernorm"), ("final", "norm")):
-            self.norms[name] = LlamaRMSNorm(D, eps=1e-6)
-            self.norms[name].weight.data.copy_(t[f"{key}.weight"])
-        self.t, self.nbr, self.options = t, norm_before_residual, options or {}
-        self.inv_freq = _inv_freq(ROPE[layout], HD)
-
-    def layer(self, embeds, hidden, positions, cache):
-        """Eagle3FirstLayerMixin.forward on [1, S, D] rows at `positions` (keys and values kept in `cache`)."""
-        residual = hidden
-        embeds, hidden = self.norms["input"](embeds), self.norms["hidden"](hidden)
-        if self.nbr:
-            residual = hidden
-        x = torch.cat([embeds, hidden], -1)
-        freqs = torch.outer(positions.float(), self.inv_freq)
-        emb = torch.cat([freqs, freqs], -1)
-        S, L = x.shape[1], cache.get_seq_length() + x.shape[1]
-        mask = torch.full((S, L), -torch.inf).triu(L - S + 1)[None, None]
-        a, _ = self.attn(x, (emb.cos()[None], emb.sin()[None]), mask, cache)
-        h = residual + a
-        return h + self.mlp(self.norms["post"](h))
-
-    def draft_chain(self, feats, embed, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor]:
-        """Greedy drafts: rows (feature of position p, token p+1), then k steps feeding back the layer's output."""
-        from transformers import DynamicCache
-
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        cache = DynamicCache()
-        if self.options.get("norm_before_fc"):  # speculators' Eagle3DraftModel.forward: input_norm, fc_norm, fc
-            norm = LlamaRMSNorm(3 * D, eps=1e-6)
-            norm.weight.data.copy_(self.t["input_norm.weight"])
-            feats = norm(feats)
-        if self.options.get("fc_norm"):
-            chunks = []
-            for i, c in enumerate(feats.chunk(3, -1)):
-                norm = LlamaRMSNorm(D, eps=1e-6)
-                norm.weight.data.copy_(self.t[f"fc_norm.{i}.weight"])
-                chunks.append(norm(c))
-            feats = torch.cat(chunks, -1)
-        hidden = feats @ self.t["fc.weight"].T
-        ids = self.t["d2t"] + torch.arange(self.t["d2t"].numel())
-        pos = torch.arange(len(tokens))
-        drafts, first = [], None
-        for _ in range(k):
-            o = self.layer(embed[torch.tensor(tokens)][None], hidden[None], pos, cache)[0]
-            logits = self.norms["final"](o[-1]) @ self.t["lm_head.weight"].T
-            first = logits if first is None else first
-            nxt = int(ids[int(logits.argmax())])
-            drafts.append(nxt)
-            hidden = self.norms["final"](o[-1:]) if self.options.get("norm_output") else o[-1:]
-            tokens, pos = [nxt], pos[-1:] + 1
-        return drafts, first
-
-
+# ---------------------------------------------------------------- (a) drafts as the reference's (tests/eagle3_ref.py)
 SPECULATORS_OPTIONS = {"concat": {"norm_before_fc": True}, "per_tap": {"fc_norm": True, "norm_output": True}, "qwen3": {}}
 
 
@@ -263,7 +164,7 @@ def test_drafts_match_the_reference(layout, qwen3, tmp_path):
     with torch.no_grad():
         hs = ref_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         feats = torch.cat([hs[i][0] for i in (ids or (2, 3, 3))], -1)
-        ref = ReferenceEagle3(t, layout, nbr, 128, options)
+        ref = ReferenceEagle3(t, _layer_config(128, D, ROPE[layout]), {"norm_before_residual": nbr, **options})
         drafts, first = ref.draft_chain(feats, ref_model.model.embed_tokens.weight, prompt[1:] + [pending], k)
         ours = head.logits(fresh._pass(head.first_feature(torch.cat([out.taps[x] for x in head.cfg.taps], -1)),
                                          torch.tensor(prompt[1:] + [pending]), None, torch.arange(len(prompt)))[-1])
