@@ -7,11 +7,11 @@
 """
 
 from .engine import Chunk, Done, Engine, GenerationConfig
-from .method import MethodConfig
+from .method import MethodConfig, drafter_method
 from .errors import SpeculantError
 from .models import LoadedModel, load_model
 from .sampling import SamplingConfig
 
-__all__ = ["Chunk", "Done", "Engine", "GenerationConfig", "LoadedModel", "MethodConfig", "SamplingConfig",
+__all__ = ["Chunk", "Done", "Engine", "GenerationConfig", "LoadedModel", "MethodConfig", "SamplingConfig", "drafter_method",
            "SpeculantError", "load_model"]
 __version__ = "0.1.0"

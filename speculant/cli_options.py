@@ -29,7 +29,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "every method, and needs no second model)")
     p.add_argument("--heads", default=None,
                    help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
-                        "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors)")
+                        "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors, or "
+                        "pytorch_model.bin through torch's weights-only loader)")
+    p.add_argument("--drafter", default=None, metavar="PATH",
+                   help="a published drafter folder (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or speculators "
+                        "layout: config.json + model.safetensors or pytorch_model.bin), or any folder --heads takes; "
+                        "picks --method from its config (eagle3) unless --method is given")
     p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 4)")
     p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 4)")
     p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 2)")
@@ -130,6 +135,15 @@ def load_engine(args: argparse.Namespace):
     configure_threads(args.threads)
     # Without a draft model, prompt lookup: it needs nothing more and beat `ar` in every measured setting
     # (`speculant bench methods`, docs/measurements.md). With one, hybrid, which uses it.
+    drafter = getattr(args, "drafter", None)
+    if drafter and args.heads:
+        raise SpeculantError("give --drafter or --heads, not both (they name the same thing: the drafter's folder)")
+    bench = getattr(args, "command", None) == "bench"
+    if drafter and not args.method:
+        from .heads.formats import head_method
+        from .heads.store import resolve_heads
+
+        args.method = head_method(resolve_heads(drafter, args.model, "eagle3"))
     method = args.method or ("hybrid" if args.draft else "lookup")
     if method in MODEL_METHODS and not args.draft:
         raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
@@ -138,10 +152,11 @@ def load_engine(args: argparse.Namespace):
     from .heads.runtime import HeadsConfig
 
     head_methods = ("medusa", "eagle2", "eagle3")
-    if args.heads and method not in head_methods and getattr(args, "command", None) != "bench":
-        raise SpeculantError(f"--heads is only used with --method {', '.join(head_methods)}, not {method}")
+    if (args.heads or drafter) and method not in head_methods and not bench:
+        flag = "--drafter" if drafter else "--heads"
+        raise SpeculantError(f"{flag} is only used with --method {', '.join(head_methods)}, not {method}")
     hc = HeadsConfig()
-    heads = HeadsConfig(args.heads, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
+    heads = HeadsConfig(args.heads or drafter, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
     dl, dm, lk = DraftLengthConfig(), DraftModelConfig(), LookupConfig()
     k = args.draft_tokens if args.draft_tokens is not None else dl.k
     mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)

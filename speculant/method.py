@@ -76,3 +76,17 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"]:
         parts["draft_length"]["max_k"] = max(dl.max_k, int(parts["draft_length"]["k"]))
     return replace(cfg, **{g: replace(getattr(cfg, g), **kv) for g, kv in parts.items()})
+
+
+def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
+    """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 drafter, or any head
+    folder): its method read from its config (`--drafter PATH` on the command line). Use it as
+    `Engine(load_model(...), method=drafter_method(PATH))`."""
+    from pathlib import Path
+
+    from .heads.formats import head_method
+
+    if not (Path(path).expanduser() / "config.json").is_file():
+        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder)")
+    base = base or MethodConfig()
+    return replace(base, name=head_method(Path(path).expanduser()), heads=replace(base.heads, name=str(path)))

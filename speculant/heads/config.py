@@ -39,7 +39,15 @@ class HeadConfig:
     fc_bias: bool = False
     qkv_bias: bool = False
     norm_before_residual: bool = False  # speculators' eagle3 option: hidden_norm before the residual is kept
+    # speculators' eagle3 options: RMSNorm of the taps before fc, over their concatenation ("concat",
+    # norm_before_fc) or of each tap ("per_tap", fc_norm); feed the normed output back between steps
+    feature_norm: str = "none"
+    norm_output: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (speculators' qwen3 layer)
     own_lm_head: bool = True  # eagle2 (EAGLE-1 layout) reuses the target's output rows instead
+    # The layer's own rotary inverse frequencies (head_dim/2; a published drafter's rope_theta and
+    # rope_scaling); empty: the target's rotary tables, as heads trained here use.
+    rope_inv_freq: tuple[float, ...] = ()
     target: str = ""  # the target this head was made for (a name, for messages)
 
     def __post_init__(self) -> None:
@@ -61,6 +69,11 @@ class HeadConfig:
             raise SpeculantError(f"{self.method} needs n_heads, n_kv_heads, head_dim, intermediate >= 1")
         if self.n_heads % self.n_kv_heads:
             raise SpeculantError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.feature_norm not in ("none", "concat", "per_tap"):
+            raise SpeculantError(f"feature_norm must be none, concat or per_tap, got {self.feature_norm!r}")
+        if self.rope_inv_freq and len(self.rope_inv_freq) != self.head_dim // 2:
+            raise SpeculantError(f"rope_inv_freq has {len(self.rope_inv_freq)} frequencies; head_dim {self.head_dim} "
+                                 f"needs {self.head_dim // 2}")
         if self.method == "eagle3" and len(self.taps) < 2:
             raise SpeculantError("eagle3 fuses several target layers; give at least 2 taps")
         if self.method == "eagle2" and len(self.taps) != 1:
@@ -74,6 +87,7 @@ class HeadConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["taps"] = list(self.taps)
+        d["rope_inv_freq"] = list(self.rope_inv_freq)
         return d
 
     @staticmethod
@@ -83,8 +97,9 @@ class HeadConfig:
         if unknown:
             raise SpeculantError(f"unknown head config keys {sorted(unknown)}")
         try:
-            return HeadConfig(**{**d, "taps": tuple(int(t) for t in d.get("taps", ()))})
-        except TypeError as e:
+            return HeadConfig(**{**d, "taps": tuple(int(t) for t in d.get("taps", ())),
+                                 "rope_inv_freq": tuple(float(f) for f in d.get("rope_inv_freq", ()))})
+        except (TypeError, ValueError) as e:
             raise SpeculantError(f"bad head config: {e}") from None
 
 

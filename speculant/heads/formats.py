@@ -1,11 +1,12 @@
-"""Head checkpoints: speculant's own folder, and the layouts other projects publish. Safetensors only.
+"""Head checkpoints: speculant's own folder, and the layouts other projects publish (published.py reads
+EAGLE-3's). Safetensors, or pytorch_model.bin through torch's weights-only loader.
 
 | layout | config.json | tensors |
 |---|---|---|
 | speculant (ours) | `speculant_head`: HeadConfig, `stats` | this package's module names, `d2t` |
 | Medusa (FasterDecoding) | `medusa_num_heads`, `medusa_num_layers` | `medusa_head.{k}.{j}.linear.{weight,bias}`, `medusa_head.{k}.{L}.weight` (full vocabulary) |
 | EAGLE-1/2 (yuhuili) | Llama config of the one layer | `fc.{weight,bias}` [D, 2D], `layers.0.self_attn.{q,k,v,o}_proj`, `layers.0.mlp.*`, `layers.0.post_attention_layernorm` (output: the target's own rows) |
-| EAGLE-3 (yuhuili) | Llama config + `draft_vocab_size` | `fc.weight` [D, 3D], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}`, `midlayer.self_attn.*`, `midlayer.mlp.*`, `norm`, `lm_head`, `d2t` (offsets), `t2d` (bool) |
+| EAGLE-3 (yuhuili, AngelSlim, SpecForge) | Llama config + `draft_vocab_size` | `fc.weight` [D, 3D], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}`, `midlayer.self_attn.*`, `midlayer.mlp.*`, `norm`, `lm_head`, `d2t` (offsets), `t2d` (bool) |
 | EAGLE-3 (speculators / vLLM) | `speculators_model_type: eagle3`, `transformer_layer_config`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids` | as yuhuili with `layers.0.` for `midlayer.` |
 
 `export_speculators` writes our EAGLE-3 heads in the last layout (what vLLM and SGLang load). An
@@ -26,6 +27,7 @@ from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
 from .config import HeadConfig
 from .modules import EagleHead, MedusaHeads, build_head
+from .published import eagle3_config, is_eagle3, layer_prefix, strip_wrapper, vocab_map
 
 FORMAT_VERSION = 1
 _HF_LINEARS = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}
@@ -61,28 +63,20 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
     """(head in float32, stats) from a checkpoint folder in any layout above; `target_cfg` is the
     target's ModelConfig (shapes are checked against it)."""
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise SpeculantError(f"{folder} is not a head checkpoint: it has no config.json")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpeculantError(f"{cfg_path}: not valid JSON ({e})") from None
+    raw = _read_config(folder)
     tensors = _read_tensors(folder)
     if "speculant_head" in raw:
         cfg = HeadConfig.from_dict(raw["speculant_head"])
         head = build_head(cfg)
         _load_state(head, tensors, folder, allow_missing=("t2d",) if cfg.own_lm_head else ("t2d", "lm_head.weight"))
         stats = raw.get("stats", {})
-    elif raw.get("speculators_model_type") is not None:
-        if raw["speculators_model_type"] != "eagle3":
-            raise SpeculantError(f"{folder}: speculators model type {raw['speculators_model_type']!r} is not supported "
-                                 "(eagle3 is)")
-        head, stats = _eagle3_from(raw["transformer_layer_config"], raw, tensors, "layers.0.", target_cfg, folder), {}
+    elif raw.get("speculators_model_type") not in (None, "eagle3"):
+        raise SpeculantError(f"{folder}: speculators model type {raw['speculators_model_type']!r} is not supported "
+                             "(eagle3 is)")
     elif "medusa_num_heads" in raw:
         head, stats = _medusa_from(raw, tensors, target_cfg, folder), {}
-    elif any(k.startswith("midlayer.") for k in tensors):
-        head, stats = _eagle3_from(raw, raw, tensors, "midlayer.", target_cfg, folder), {}
+    elif is_eagle3(raw, strip_wrapper(tensors)):
+        head, stats = _eagle3_from(raw, tensors, target_cfg, folder), {}
     elif "fc.weight" in tensors and any(k.startswith("layers.0.") for k in tensors):
         head, stats = _eagle2_from(raw, tensors, target_cfg, folder), {}
     else:
@@ -92,14 +86,56 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
     return head, stats
 
 
+def head_method(folder: Path) -> str:
+    """The method a head folder drafts for (medusa, eagle2, eagle3), from its config and tensor names
+    (no weights read where they are safetensors)."""
+    folder = Path(folder)
+    raw = _read_config(folder)
+    if "speculant_head" in raw:
+        return HeadConfig.from_dict(raw["speculant_head"]).method
+    if "medusa_num_heads" in raw:
+        return "medusa"
+    names = _tensor_names(folder)
+    if raw.get("speculators_model_type") == "eagle3" or is_eagle3(raw, strip_wrapper(names)):
+        return "eagle3"
+    if "fc.weight" in names:
+        return "eagle2"
+    raise SpeculantError(f"{folder}: not a drafter speculant knows (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or "
+                         "speculators layout, EAGLE, Medusa, or heads from `speculant train-heads`)")
+
+
+def _tensor_names(folder: Path) -> dict[str, None]:
+    files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("checkpoint")]
+    if not files:
+        return dict.fromkeys(_read_bin(folder))
+    names: dict[str, None] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                names.update(dict.fromkeys(h.keys()))
+        except Exception as e:
+            raise SpeculantError(f"{f}: not a readable safetensors file ({e})") from None
+    return names
+
+
+def _read_config(folder: Path) -> dict:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise SpeculantError(f"{folder} is not a head checkpoint: it has no config.json")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpeculantError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SpeculantError(f"{cfg_path}: not a JSON object")
+    return raw
+
+
 def _read_tensors(folder: Path) -> dict[str, Tensor]:
     # model.safetensors (or its shards) is the head; a training folder also holds checkpoint.safetensors
     files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("checkpoint")]
     if not files:
-        pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        hint = (f" ({', '.join(pickled)} are pickle files, which speculant never loads: they can run code; convert "
-                "them to safetensors)") if pickled else ""
-        raise SpeculantError(f"{folder}: no .safetensors weights{hint}")
+        return _read_bin(folder)
     out: dict[str, Tensor] = {}
     for f in files:
         try:
@@ -108,6 +144,29 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
                     out[k] = h.get_tensor(k)
         except Exception as e:  # a truncated or foreign file: say which
             raise SpeculantError(f"{f}: not a readable safetensors file ({e})") from None
+    return out
+
+
+def _read_bin(folder: Path) -> dict[str, Tensor]:
+    """pytorch_model.bin (some EAGLE-3 drafters ship only that), through torch's weights-only unpickler,
+    which builds tensors and plain containers and refuses anything that would run code."""
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    others = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt") and p not in bins]
+    if not bins:
+        hint = (f" ({', '.join(others)}: pickle files other than pytorch_model.bin are not read; convert them to "
+                "safetensors)") if others else ""
+        raise SpeculantError(f"{folder}: no .safetensors weights{hint}")
+    out: dict[str, Tensor] = {}
+    for f in bins:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise SpeculantError(f"{f}: not a weights-only pickle torch can read safely ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); convert it to model.safetensors (safetensors.torch.save_file of "
+                                 "its state dict) or use a safetensors copy of the drafter") from None
+        if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+            raise SpeculantError(f"{f}: not a state dict of tensors")
+        out.update(state)
     return out
 
 
@@ -158,6 +217,9 @@ def _layer_from_hf(head: EagleHead, t: dict[str, Tensor], p: str, folder: Path) 
            "layer.post_norm": _need(t, f"{p}post_attention_layernorm.weight", folder)}
     for ours, hf in _HF_LINEARS.items():
         out[f"layer.{ours}.weight"] = _need(t, f"{p}{hf}.weight", folder)
+    if head.cfg.qk_norm:
+        out["layer.q_norm"] = _need(t, f"{p}self_attn.q_norm.weight", folder)
+        out["layer.k_norm"] = _need(t, f"{p}self_attn.k_norm.weight", folder)
     if head.cfg.qkv_bias:
         out["layer.qkv.bias"] = torch.cat([_need(t, f"{p}self_attn.{n}_proj.bias", folder) for n in "qkv"])
     return out
@@ -175,31 +237,28 @@ def _eagle2_from(c: dict, t: dict[str, Tensor], target_cfg, folder: Path) -> Eag
     return head
 
 
-def _eagle3_from(layer_cfg: dict, c: dict, t: dict[str, Tensor], p: str, target_cfg, folder: Path) -> EagleHead:
-    shape = _layer_shape(layer_cfg, folder)
-    ids = c.get("eagle_aux_hidden_state_layer_ids")
-    n = target_cfg.n_layers
-    # EAGLE-3 counts a tap as "the input of layer i" (HF hidden_states[i]); ours is "after layer i - 1"
-    taps = tuple(int(i) - 1 for i in ids) if ids else (1, n // 2 - 1, n - 4)
+def _eagle3_from(raw: dict, t: dict[str, Tensor], target_cfg, folder: Path) -> EagleHead:
+    t = strip_wrapper(t)
+    cfg = eagle3_config(raw, t, target_cfg, folder)
+    p = layer_prefix(t)
     fc = _need(t, "fc.weight", folder)
-    lm = _need(t, "lm_head.weight", folder)
-    cfg = HeadConfig("eagle3", vocab=target_cfg.vocab_size, draft_vocab=lm.shape[0], taps=taps, fc_bias="fc.bias" in t,
-                     qkv_bias=f"{p}self_attn.q_proj.bias" in t,
-                     norm_before_residual=bool(c.get("norm_before_residual", False)), **shape)
-    if fc.shape[1] != cfg.feature_dim:
-        raise SpeculantError(f"{folder}: fc reads {fc.shape[1]} features, {len(taps)} taps of width {cfg.hidden} give "
-                             f"{cfg.feature_dim}")
+    if tuple(fc.shape) != (cfg.hidden, cfg.feature_dim):
+        raise SpeculantError(f"{folder}: fc has shape {tuple(fc.shape)}; {len(cfg.taps)} target layers of width "
+                             f"{cfg.hidden} need ({cfg.hidden}, {cfg.feature_dim})")
     head = EagleHead(cfg)
-    state = {"fc.weight": fc, "lm_head.weight": lm, "norm": _need(t, "norm.weight", folder),
+    state = {"fc.weight": fc, "lm_head.weight": _need(t, "lm_head.weight", folder), "norm": _need(t, "norm.weight", folder),
              "input_norm": _need(t, f"{p}input_layernorm.weight", folder),
              "hidden_norm": _need(t, f"{p}hidden_norm.weight", folder), **_layer_from_hf(head, t, p, folder)}
     if cfg.fc_bias:
         state["fc.bias"] = t["fc.bias"].float()
+    if cfg.feature_norm == "concat":  # speculators' norm_before_fc
+        state["feature_norm"] = _need(t, "input_norm.weight", folder)
+    elif cfg.feature_norm == "per_tap":  # speculators' fc_norm
+        state["feature_norm"] = torch.stack([_need(t, f"fc_norm.{i}.weight", folder) for i in range(len(cfg.taps))])
     _load_state(head, state, folder, allow_missing=("t2d", "d2t"))
-    if "d2t" in t:  # offsets: draft id i is target id i + d2t[i]
-        head.set_vocab(t["d2t"].long() + torch.arange(cfg.draft_vocab))
-    elif cfg.draft_vocab != cfg.vocab:
-        raise SpeculantError(f"{folder}: a reduced draft vocabulary ({cfg.draft_vocab}) needs its d2t map")
+    ids = vocab_map(t, cfg, folder)
+    if ids is not None:
+        head.set_vocab(ids)
     return head
 
 
@@ -235,6 +294,12 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
            f"{p}post_attention_layernorm.weight": s["layer.post_norm"], f"{p}self_attn.o_proj.weight": s["layer.o.weight"],
            f"{p}mlp.gate_proj.weight": gate, f"{p}mlp.up_proj.weight": up, f"{p}mlp.down_proj.weight": s["layer.down.weight"],
            "d2t": head.d2t - torch.arange(cfg.draft_vocab), "t2d": head.t2d >= 0}
+    if cfg.qk_norm:
+        out[f"{p}self_attn.q_norm.weight"], out[f"{p}self_attn.k_norm.weight"] = s["layer.q_norm"], s["layer.k_norm"]
+    if cfg.feature_norm == "concat":
+        out["input_norm.weight"] = s["feature_norm"]
+    elif cfg.feature_norm == "per_tap":
+        out.update({f"fc_norm.{i}.weight": w for i, w in enumerate(s["feature_norm"])})
     for n, w in zip("qkv", qkv):
         out[f"{p}self_attn.{n}_proj.weight"] = w
     if cfg.qkv_bias:
@@ -244,13 +309,21 @@ def export_speculators(head: EagleHead, folder: Path, target_cfg, target_name: s
         out["fc.bias"] = s["fc.bias"]
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": cfg.hidden,
+    layer = {"model_type": "qwen3" if cfg.qk_norm else "llama",
+             "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"], "hidden_size": cfg.hidden,
              "intermediate_size": cfg.intermediate, "num_attention_heads": H, "num_key_value_heads": Hkv,
              "head_dim": hd, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
              "vocab_size": cfg.vocab, "rope_theta": target_cfg.rope_base, "max_position_embeddings": target_cfg.context_length,
              "attention_bias": cfg.qkv_bias, "mlp_bias": False, "tie_word_embeddings": False}
+    if target_cfg.rope_scaling is not None:  # the head rotates with the target's tables: their Llama 3 scaling too
+        r = target_cfg.rope_scaling
+        layer["rope_scaling"] = {"rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+                                 "high_freq_factor": r.high_freq_factor,
+                                 "original_max_position_embeddings": r.original_max_position_embeddings}
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.1.0",
               "draft_vocab_size": cfg.draft_vocab, "norm_before_residual": cfg.norm_before_residual,
+              "norm_before_fc": cfg.feature_norm == "concat", "fc_norm": cfg.feature_norm == "per_tap",
+              "norm_output": cfg.norm_output,
               "target_hidden_size": cfg.hidden, "eagle_aux_hidden_state_layer_ids": [x + 1 for x in cfg.taps],
               "transformer_layer_config": layer, "torch_dtype": "float32",
               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",

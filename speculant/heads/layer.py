@@ -44,13 +44,20 @@ class DraftLayer(nn.Module):
         self.gate_up = linear(D, 2 * cfg.intermediate, False)  # [D] -> gate | up
         self.down = linear(cfg.intermediate, D, False)
         self.post_norm = nn.Parameter(torch.ones(D))
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(hd))
+            self.k_norm = nn.Parameter(torch.ones(hd))
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., S, in] -> q [..., H, S, hd], k and v [..., Hkv, S, hd]; cos/sin [S, hd/2] of each row."""
         H, Hkv, hd = self.H, self.Hkv, self.hd
         qkv = self.qkv(x)
         lead = qkv.shape[:-1]  # (..., S)
-        qk = _rope(qkv[..., : (H + Hkv) * hd].reshape(*lead, H + Hkv, hd), cos, sin)  # [..., S, H+Hkv, hd]
+        qk = qkv[..., : (H + Hkv) * hd].reshape(*lead, H + Hkv, hd)
+        if self.qk_norm:
+            qk = torch.cat([rms(qk[..., :H, :], self.q_norm, self.eps), rms(qk[..., H:, :], self.k_norm, self.eps)], -2)
+        qk = _rope(qk, cos, sin)  # [..., S, H+Hkv, hd]
         v = qkv[..., (H + Hkv) * hd:].reshape(*lead, Hkv, hd)
         return qk[..., :H, :].transpose(-2, -3), qk[..., H:, :].transpose(-2, -3), v.transpose(-2, -3)
 
@@ -76,6 +83,17 @@ def attend(layer: DraftLayer, x: Tensor, residual: Tensor, cache: KVCache, posit
     out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask[None, None],
                                          enable_gqa=True)[0]  # [H, S, hd]
     return layer.finish(out, residual)
+
+
+def rope_tables_for(cfg: HeadConfig, target) -> tuple[Tensor, Tensor]:
+    """cos, sin [n, hd/2] the head rotates with, for the target's positions (`target` a Transformer):
+    the target's own tables, or the head's frequencies (a published drafter's rope_theta / scaling),
+    built the way rotary.rope_tables builds the target's."""
+    if not cfg.rope_inv_freq:
+        return target.cos, target.sin
+    n = target.cos.shape[0]
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), torch.tensor(cfg.rope_inv_freq, dtype=torch.float32))
+    return freqs.cos().to(target.cos.device), freqs.sin().to(target.cos.device)
 
 
 def inference_format() -> str:

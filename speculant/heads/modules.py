@@ -84,6 +84,10 @@ class EagleHead(_VocabMaps):
             self.input_norm = nn.Parameter(torch.ones(D))
             self.hidden_norm = nn.Parameter(torch.ones(D))
             self.norm = nn.Parameter(torch.ones(D))
+            if cfg.feature_norm == "concat":
+                self.feature_norm = nn.Parameter(torch.ones(cfg.feature_dim))
+            elif cfg.feature_norm == "per_tap":
+                self.feature_norm = nn.Parameter(torch.ones(len(cfg.taps), D))
         self.lm_head = linear(D, cfg.draft_vocab, False)
         if not cfg.own_lm_head:  # EAGLE-1/2: the target's output rows, frozen (attach_target_rows fills them)
             self.lm_head.weight.requires_grad_(False)
@@ -91,7 +95,18 @@ class EagleHead(_VocabMaps):
 
     def first_feature(self, feats: Tensor) -> Tensor:
         """Target features [..., feature_dim] (taps concatenated) -> the layer's first feature [..., D]."""
-        return self.fc(feats) if self.eagle3 else feats
+        if not self.eagle3:
+            return feats
+        eps = self.cfg.norm_eps
+        if self.cfg.feature_norm == "concat":
+            feats = rms(feats, self.feature_norm, eps)
+        elif self.cfg.feature_norm == "per_tap":
+            feats = torch.cat([rms(f, w, eps) for f, w in zip(feats.chunk(len(self.cfg.taps), -1), self.feature_norm)], -1)
+        return self.fc(feats)
+
+    def next_feature(self, h: Tensor) -> Tensor:
+        """The layer's output [..., D] -> the feature the next draft step reads (norm_output: normed)."""
+        return rms(h, self.norm, self.cfg.norm_eps) if self.cfg.norm_output else h
 
     def layer_input(self, emb: Tensor, feature: Tensor) -> tuple[Tensor, Tensor]:
         """(embedding of the next token [..., D], feature [..., D]) -> (layer input, residual)."""

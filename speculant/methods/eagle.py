@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..heads.layer import attend
+from ..heads.layer import attend, rope_tables_for
 from ..heads.modules import EagleHead
 from ..heads.runtime import HeadsConfig
 from ..models.cache import KVCache
@@ -31,20 +31,22 @@ from ..tree import DraftTree
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Transformer, cfg: HeadsConfig, max_len: int) -> None:
         self.name = head.cfg.method
-        self.taps = head.cfg.taps
+        # the layers the engine taps, each once (a published default on a small target can name one twice)
+        self.taps = tuple(dict.fromkeys(head.cfg.taps))
         self.head, self.target, self.cfg = head, target, cfg
         self.nodes = cfg.nodes  # the engine's per-round budget
         hc = head.cfg
         # room for the context plus one round's expanded nodes
         self.cache = KVCache(1, hc.n_kv_heads, hc.head_dim, max_len + cfg.depth * cfg.topk + 1, torch.float32,
                              target.device)
+        self.cos, self.sin = rope_tables_for(hc, target)
         self.pos0 = 0  # rotary position of cache slot 0 (a reused prompt prefix has no features)
         self._feats: list[Tensor] = []  # waiting features [1, Df] each, paired with _tokens
         self._tokens: list[int] = []
         self._tail: Tensor | None = None  # the last feature, whose next token (pending) is not known yet
 
     def _features(self, hidden: dict[int, Tensor]) -> Tensor:
-        return torch.cat([hidden[t] for t in self.taps], -1).float()  # [R, Df]
+        return torch.cat([hidden[t] for t in self.head.cfg.taps], -1).float()  # [R, Df]
 
     def start(self, prompt: list[int], hidden: dict[int, Tensor] | None = None) -> None:
         f = self._features(hidden)
@@ -80,7 +82,7 @@ class EagleDrafter:
     def _pass(self, feature: Tensor, tokens: Tensor, mask: Tensor | None, positions: Tensor) -> Tensor:
         """Head rows for (feature [S, D], next token [S]) at `positions` -> outputs [S, D]."""
         x, residual = self.head.layer_input(self.target.embed(tokens).float(), feature)
-        return attend(self.head.layer, x, residual, self.cache, positions, mask, self.target.cos, self.target.sin)
+        return attend(self.head.layer, x, residual, self.cache, positions, mask, self.cos, self.sin)
 
     def _tree(self, h_root: Tensor, root_pos: int, committed: int, budget: int) -> DraftTree:
         head, cfg = self.head, self.cfg
@@ -120,7 +122,7 @@ class EagleDrafter:
                 mask[r, slots] = True
             mask = mask.to(dev)  # built on the host, then one copy
             if depth == 2:
-                feature = h_root.expand(S, -1)
+                feature = head.next_feature(h_root).expand(S, -1)
             else:
                 feature = h_prev[torch.tensor([pos_of[parents[e]] for e in expand], device=dev)]
             positions = torch.full((S,), root_pos + depth - 1, device=dev)
@@ -134,7 +136,7 @@ class EagleDrafter:
             layer_nodes = list(range(n, n + len(new_parents)))
             n += len(new_parents)
             all_scores = torch.cat(scores)
-            h_prev, pos_of = out, {e: r for r, e in enumerate(expand)}
+            h_prev, pos_of = head.next_feature(out), {e: r for r, e in enumerate(expand)}
         self.cache.rollback(committed)
         return _select(head.d2t[torch.cat(ids)], parents, all_scores, budget)
 

@@ -22,6 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from pydantic import BaseModel, ValidationError
 
 from ..engine import Chunk, Done, Engine, GenerationConfig
+from ..heads.store import default_name
 from ..method import HEAD_METHODS, METHODS, MODEL_METHODS
 from ..errors import SpeculantError
 from .metrics import Metrics
@@ -318,9 +319,11 @@ def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, object]:
         authorize(request)
-        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0,
-                                            "owned_by": "speculant", "method": engine.method.name,
-                                            "methods": list(methods)}]}
+        entry = {"id": cfg.model_id, "object": "model", "created": 0, "owned_by": "speculant",
+                 "method": engine.method.name, "methods": list(methods)}
+        if engine.method.name in HEAD_METHODS:  # the heads / published drafter the head method runs
+            entry["drafter"] = engine.method.heads.name or default_name(engine.target.name, engine.method.name)
+        return {"object": "list", "data": [entry]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
