@@ -8,9 +8,10 @@ implementations pick another token; "first diff" is the first position where the
 
     .venv/bin/python scripts/gemma3_vs_llama_cpp.py --llama-cpp-bin BIN [--model gemma3-270m] [--rounds 3]
     .venv/bin/python scripts/gemma3_vs_llama_cpp.py --ours-only   # our greedy ids alone, as JSON lines
+    .venv/bin/python scripts/gemma3_vs_llama_cpp.py --ours-only --speed 3   # our decode tok/s alone, 3 runs
 
 --ours-only needs no llama.cpp: its output, from two checkouts (PYTHONPATH), shows whether a change kept greedy
-output identical.
+output identical, or (--speed) how their decode speeds compare when run in alternation.
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="llama-bench / our decode alternations")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ours-only", action="store_true")
+    ap.add_argument("--speed", type=int, default=0, help="with --ours-only: this many timed decodes of the first prompt")
     a = ap.parse_args()
     threads = configure_threads(a.threads)
     lm = load_model(a.model, None, progress=False)
+    if a.ours_only and a.speed:
+        ids = lm.tokenizer.encode(PROMPTS[0])
+        print(" ".join(f"{ours(lm, ids)[1]:.1f}" for _ in range(a.speed)), "tok/s", flush=True)
+        return
     if a.ours_only:
         for p in PROMPTS:
             ids = lm.tokenizer.encode(p)
