@@ -1,11 +1,12 @@
 """Short passes through all the blocks in one C call (speculant/kernels/blocks.c).
 
 The C loop runs the kernels Transformer.forward's Python path calls, in the same order, so the
-result is bit-identical (tests/test_fused.py, for every architecture's switches); it saves the Python a decode step otherwise spends between kernels, about a
-tenth of a step of the 1.5B target and of the 0.5B draft (`scripts/step_timing.py`). It applies where
-every block's linears are `GGMLLinear`s on the CPU and the x86 kernels are built; anything else
-keeps the Python path. Tree passes (an [S, S] ancestor mask) and taps (the residual after chosen
-blocks, copied out in C) take it too.
+result is bit-identical (tests/test_fused.py, for every architecture's switches); it saves the Python a
+decode step otherwise spends between kernels, about a tenth of a step of the 1.5B target and of the 0.5B
+draft (`scripts/step_timing.py`), and more of Gemma 3's (docs/measurements.md "Gemma 3 270M against
+llama.cpp"). It applies where every block's linears are `GGMLLinear`s on the CPU and the x86 kernels are
+built; anything else keeps the Python path, whose row-wise attention is `attend_rows` here. Tree passes
+(an [S, S] ancestor mask) and taps (the residual after chosen blocks, copied out in C) take it too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,30 @@ def bind_tree_kernels(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def attend_rows(lib: ctypes.CDLL, block, qkv: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor,
+                sin: Tensor, mask: Tensor | None, positions: Tensor | None) -> Tensor:
+    """The per-layer path's attention of a short pass (Block._attention): attn_rows_ex on `block`'s heads, its
+    sliding window applied by the rows' positions, its query scale. qkv [S, (H + 2 Hkv) hd] -> [S, H hd]."""
+    S, H, Hkv, hd = qkv.shape[0], block.n_heads, block.n_kv, block.hd
+    qkv = qkv.contiguous()
+    out = torch.empty(S, H * hd, dtype=torch.float32)
+    m = None if mask is None else mask.to(torch.bool).contiguous()
+    pos = None if block.window is None or positions is None else positions.to(torch.int64).contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rc = lib.attn_rows_ex(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), cache.k[layer].data_ptr(),
+                          cache.v[layer].data_ptr(), cache.max_len, start, None if m is None else m.data_ptr(),
+                          None if pos is None else pos.data_ptr(), block.window or 0, _scale(block), out.data_ptr(),
+                          cache.c_type, torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"native attention failed ({rc})")
+    return out
+
+
+def _scale(block) -> float:
+    """A block's query scale as the C attention takes it: 0 for hd ** -0.5 (the kernel's own 1 / sqrtf(hd))."""
+    return 0.0 if block.scale == block.hd**-0.5 else block.scale
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("parts", _p), ("nparts", _i64), ("bias", _p), ("n", _i64)]
 
@@ -60,7 +85,7 @@ class FusedBlocks:
             for name, w in b.extras().items():  # q_norm, k_norm, post_attn_norm, post_ffn_norm where the arch has them
                 setattr(row, name, w.data_ptr())
             row.window, row.rope, row.gelu = b.window or 0, b.rope_table, int(b.gelu)
-            row.scale = 0.0 if b.scale == b.hd**-0.5 else b.scale  # 0: the kernel's own hd ** -0.5
+            row.scale = _scale(b)
             for name in ("qkv", "o", "gate_up", "down"):
                 lin: GGMLLinear = getattr(b, name)
                 bias = None if lin.bias is None else lin.bias.data_ptr()

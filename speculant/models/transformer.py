@@ -48,6 +48,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
 from .formats.ggml import prefill_routes
+from .fused import attend_rows
 from .keys import tree_keys, window_keys
 from .rotary import _rope, rope_tables  # noqa: F401  (rope_tables: imported from here by build.py)
 
@@ -116,9 +117,9 @@ class Block(nn.Module):
         """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1.
 
         mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S].
-        keys: the cache slots each row attends to, where given (a tree pass off the CPU, a sliding-window
-        layer: Transformer.forward reads them once per pass, not per layer), for torch's row-wise attention.
-        positions: the rows' positions [S] long (a sliding-window layer's window, for the C attention)."""
+        keys (torch's row-wise attention): the cache slots each row attends to, where given (a tree pass off the
+        CPU, a sliding-window layer: Transformer.forward reads them once per pass, not per layer).
+        positions [S] (C's attention): the rows' positions, by which a sliding-window layer's window applies."""
         h = self._attention(rms_norm(x, self.attn_norm, self.eps), cache, layer, start, cos, sin, mask, row_wise, keys,
                             positions)
         if self.post_attn_norm is not None:
@@ -145,22 +146,8 @@ class Block(nn.Module):
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv, S)
         lib = native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
-        if lib is not None:
-            # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c), a
-            # sliding-window layer's window applied by the rows' positions
-            qkv = qkv.contiguous()
-            out = torch.empty(S, H * hd, dtype=torch.float32)
-            m = None if mask is None else mask.to(torch.bool).contiguous()
-            pos = None if self.window is None or positions is None else positions.to(torch.int64).contiguous()
-            rc = lib.attn_rows_ex(qkv.data_ptr(), S, H, Hkv, hd, cos.contiguous().data_ptr(),
-                                  sin.contiguous().data_ptr(), cache.k[layer].data_ptr(), cache.v[layer].data_ptr(),
-                                  cache.max_len, start, None if m is None else m.data_ptr(),
-                                  None if pos is None else pos.data_ptr(), self.window or 0,
-                                  0.0 if self.scale == hd**-0.5 else self.scale, out.data_ptr(), cache.c_type,
-                                  torch.get_num_threads())
-            if rc:
-                raise MemoryError(f"native attention failed ({rc})")
-            return self.o(out)
+        if lib is not None:  # rope, cache write and row-wise attention in one C call (kernels/attention.c)
+            return self.o(attend_rows(lib, self, qkv, cache, layer, start, cos, sin, mask, positions))
         qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
         q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
         k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
@@ -386,26 +373,27 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def swiglu(h: Tensor, hidden: int) -> Tensor:
-    """h [S, 2F] = gate | up -> silu(gate) * up [S, F]: one C call on CPU."""
+def _gated_rows(h: Tensor, hidden: int, kernel: str) -> Tensor | None:
+    """rows.c's `kernel` on h [S, 2F] = gate | up -> [S, F] where the C kernels serve h, else None."""
     fn = native_kernels()
     if fn is None or h.device.type != "cpu" or h.dtype != torch.float32 or hidden % 8:
-        return F.silu(h[:, :hidden]) * h[:, hidden:]
+        return None
     h = h.contiguous()
     out = torch.empty(h.shape[0], hidden, dtype=h.dtype)
-    fn.silu_mul_rows(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
+    getattr(fn, kernel)(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
     return out
+
+
+def swiglu(h: Tensor, hidden: int) -> Tensor:
+    """h [S, 2F] = gate | up -> silu(gate) * up [S, F]: one C call on CPU."""
+    out = _gated_rows(h, hidden, "silu_mul_rows")
+    return F.silu(h[:, :hidden]) * h[:, hidden:] if out is None else out
 
 
 def geglu(h: Tensor, hidden: int) -> Tensor:
     """h [S, 2F] = gate | up -> gelu_tanh(gate) * up [S, F] (Gemma's MLP): one C call on CPU."""
-    fn = native_kernels()
-    if fn is None or h.device.type != "cpu" or h.dtype != torch.float32 or hidden % 8:
-        return F.gelu(h[:, :hidden], approximate="tanh") * h[:, hidden:]
-    h = h.contiguous()
-    out = torch.empty(h.shape[0], hidden, dtype=h.dtype)
-    fn.gelu_tanh_mul_rows(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
-    return out
+    out = _gated_rows(h, hidden, "gelu_tanh_mul_rows")
+    return F.gelu(h[:, :hidden], approximate="tanh") * h[:, hidden:] if out is None else out
 
 
 @functools.cache
