@@ -7,7 +7,7 @@ llama.cpp GGUF conversions, and through every speculative method.
   give each row the bits of scoring it alone on its path (Gemma's sliding-window layers included: the window is
   applied by position, so a tree row sees the keys its chain would);
 - lookup, draft and draft_tree (the model drafting for itself) are greedy-identical to ar, in float32
-  and in a block format (q8_0: the C attention kernel serves the global layers);
+  and in a block format (q8_0: the fused C blocks, sliding-window layers included);
 - the GGUF llama.cpp's converter writes loads to the same logits as the HF folder (skipped with the
   reason where the converter's sdist cannot be fetched).
 """

@@ -48,9 +48,11 @@ def attend(lib: ctypes.CDLL, qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int
     return out, kc, vc
 
 
-def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, stored=None) -> torch.Tensor:
+def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, stored=None, pos=None, window=0,
+              scale=None) -> torch.Tensor:
     """float64 rotate-half rope, then each row's softmax attention over its visible slots; `stored`: the
-    (k, v) caches the kernel wrote, whose new rows (rounded to float16, or q8_0) are the keys and values then."""
+    (k, v) caches the kernel wrote, whose new rows (rounded to float16, or q8_0) are the keys and values then;
+    window > 0: only keys at positions > the row's - window (committed slot j at position j, pass rows at pos)."""
     S, hd = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
     x = qkv.double().view(S, H + 2 * Hkv, hd)
     c, s = cos.double()[:, None], sin.double()[:, None]
@@ -61,12 +63,15 @@ def reference(qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask=None, st
     if stored is not None:
         k, v = values(stored[0]).double()[:, : start + S], values(stored[1]).double()[:, : start + S]
     out = torch.empty(S, H, hd, dtype=torch.float64)
+    slot_pos = torch.cat([torch.arange(start), torch.arange(start, start + S) if pos is None else pos])
     for r in range(S):
         seen = torch.arange(start + r + 1) if mask is None else \
             torch.cat([torch.arange(start), start + mask[r].nonzero()[:, 0]])
+        if window:
+            seen = seen[slot_pos[seen] > slot_pos[start + r] - window]
         for h in range(H):
             kh = h // (H // Hkv)
-            w = (k[kh, seen] @ qk[r, h] / hd**0.5).softmax(0)
+            w = (k[kh, seen] @ qk[r, h] * (hd**-0.5 if scale is None else scale)).softmax(0)
             out[r, h] = w @ v[kh, seen]
     return out.view(S, H * hd)
 
@@ -177,3 +182,58 @@ def test_a_q8_0_cache_stores_the_float32_rows_as_torchs_quantizer_does():
     # a rotated value is within half a step (its block's amax / 254); rotated back, the steps of a row's blocks mix
     # (measured here: 0.0049 of the largest value)
     assert 0 < err < 1 / 100
+
+
+def attend_ex(lib: ctypes.CDLL, qkv, kc, vc, cos, sin, start: int, H: int, Hkv: int, mask, pos, window: int,
+              scale: float, threads: int = 2):
+    """attend's (out, k cache, v cache) through attn_rows_ex: rows at positions `pos` (None: their slots), a
+    sliding window (0: none) and a query scale (0: hd ** -0.5)."""
+    qkv, kc, vc = qkv.clone(), kc.clone(), vc.clone()
+    S, hd = qkv.shape[0], qkv.shape[1] // (H + 2 * Hkv)
+    out = torch.empty(S, H * hd)
+    m = None if mask is None else mask.to(torch.uint8).contiguous()
+    p = None if pos is None else pos.to(torch.int64).contiguous()
+    rc = lib.attn_rows_ex(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                          kc.shape[1], start, None if m is None else m.data_ptr(), None if p is None else p.data_ptr(),
+                          window, scale, out.data_ptr(), KV.index(kc.dtype), threads)
+    assert rc == 0
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("H,Hkv,hd,kv", with_kv([(12, 2, 128), (8, 1, 80), (5, 1, 24)]))
+@pytest.mark.parametrize("start,window", [(3, 11), (13, 11), (45, 11), (45, 2)])
+def test_a_sliding_window_keeps_the_keys_within_it_and_tree_rows_equal_their_chains(H, Hkv, hd, kv, start, window):
+    """A sliding-window layer (Gemma 3's local layers): each row sees the keys at positions within the window of
+    its own, close to float64, the same bits on every build and thread count; a tree row (positions start + depth)
+    gives the bits of its path scored as a causal chain, for windows that reach back past every committed slot, into
+    them (across groups of 8) and not even to the last one (window 2 at depth 3)."""
+    S, scale = 6, 0.07
+    parents = [-1, 0, 1, 0, 3, 2]
+    depth = [0] * S
+    for i, par in enumerate(parents):
+        depth[i] = 0 if par < 0 else depth[par] + 1
+    mask = torch.eye(S, dtype=torch.bool)
+    for i in range(S):
+        j = parents[i]
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    pos = start + torch.tensor(depth)
+    qkv, kc, vc, cos, sin = inputs(H, Hkv, hd, start, S, seed=start * 7 + hd)
+    kc, vc = to_cache(kc, kv), to_cache(vc, kv)
+    results = [attend_ex(lib, qkv, kc, vc, cos, sin, start, H, Hkv, mask, pos, window, scale, threads)
+               for _, lib in libraries() for threads in (1, 2, 3)]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], r))
+    out, k_tree, v_tree = results[0]
+    ref = reference(qkv, kc, vc, cos, sin, start, H, Hkv, mask, (k_tree, v_tree) if kv != torch.float32 else None,
+                    pos, window, scale)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    lib = libraries()[0][1]
+    for i in range(S):
+        path = [j for j in range(S) if mask[i, j]]  # ancestors in order, then the row
+        chain, _, _ = attend_ex(lib, qkv[path].contiguous(), kc, vc, cos[path].contiguous(), sin[path].contiguous(),
+                                start, H, Hkv, None, None, window, scale)
+        assert torch.equal(chain[-1], out[i]), (i, path)
+        alone, _, _ = attend_ex(lib, qkv[path].contiguous(), kc, vc, cos[path].contiguous(), sin[path].contiguous(),
+                                start, H, Hkv, None, start + torch.arange(len(path)), window, scale)
+        assert torch.equal(alone, chain)  # positions given, equal to the slots: the same bits

@@ -335,10 +335,18 @@ static void hadamard(float *x, int64_t hd, float post) {
             _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(post)));
 }
 
-/* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8 (of 32 for q8_0). */
-int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
-                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv,
-                     int nthreads) {
+/* Returns 0, -1 if scratch memory ran out, -2 for a head size that is not a multiple of 8 (of 32 for q8_0).
+ *
+ * pos [S] (or NULL: row s at position start + s) are the rows' positions; committed slot j holds position j.
+ * window > 0 (a sliding-window layer): row s at position p attends only to keys at positions > p - window, in the
+ * same order, as models/keys.py's window_keys picks them. Its keys then start at lo = max(0, p - window + 1): the
+ * virtual sequence above begins there, so the groups of 8 keys, and every score and sum, are those of the chain
+ * that ends at the row, whether it is scored alone, in a chain or in a tree. A causal row whose position is its
+ * slot reads the cache from lo directly; any other row gathers (segment B) as a tree row does, with mask NULL
+ * meaning rows 0 .. s. scale: the queries' scale, 0 for hd ** -0.5 (computed here as 1 / sqrtf(hd)). */
+int attn_rows_ex(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
+                 void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, const int64_t *pos,
+                 int64_t window, float scale, float *out, int kv, int nthreads) {
     if (hd % (kv == KV_Q8 ? 32 : 8)) return -2;
     const int64_t width = (H + 2 * Hkv) * hd, half = hd / 2, group = H / Hkv, rb = row_bytes(hd, kv);
     char *kc8 = (char *)kc, *vc8 = (char *)vc;
@@ -352,8 +360,11 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
             store_row(vc8 + (h * max_len + start + s) * rb, row + (H + Hkv + h) * hd, hd, kv);
         }
     }
-    const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7, c0 = start & ~(int64_t)7;
-    const int64_t tail = mask ? start - c0 + S : 0; /* keys of segment B at most */
+    int gather = mask != NULL;
+    if (pos && !gather)
+        for (int64_t s = 0; s < S; s++) gather |= window > 0 && pos[s] != start + s;
+    const int64_t Lmax8 = (start + S + 7) & ~(int64_t)7;
+    const int64_t tail = gather ? 8 + S : 0; /* keys of segment B at most: < 8 committed ones, then pass rows */
     if (nthreads < 1) nthreads = 1;
     /* tasks: (row, key/value head, part of its query heads); the heads of a group are split only
      * as far as needed to give every thread work */
@@ -367,7 +378,7 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
     const int64_t need = per * Lmax8 + per + 2 * tail * hd + (kv == KV_Q8 ? KEYS * hd : 0);
     float *scratch = (float *)malloc(sizeof(float) * need * nthreads);
     if (!scratch) return -1;
-    const float scale = 1.0f / sqrtf((float)hd);
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel num_threads(nthreads)
     {
         float *p = scratch + need * omp_get_thread_num();
@@ -380,21 +391,27 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
             const int64_t kh = t / (S * parts), s = t / parts % S, h0 = kh * group + t % parts * per;
             const int64_t g = kh * group + group - h0 < per ? kh * group + group - h0 : per;
             const char *k = kc8 + kh * max_len * rb, *v = vc8 + kh * max_len * rb;
-            int64_t L = start + s + 1, LA = L;
-            if (mask) { /* gather the committed keys from c0 and the row's visible pass rows */
+            const int64_t ps = pos ? pos[s] : start + s, lo = window > 0 && ps - window + 1 > 0 ? ps - window + 1 : 0;
+            int64_t L = start + s + 1 - lo, LA = L;
+            if (gather) { /* the committed keys from lo in whole groups of 8 (segment A), then a copy of the rest
+                           * and the row's visible pass rows */
+                const int64_t cl = lo < start ? lo : start, c0 = cl + ((start - cl) & ~(int64_t)7);
                 int64_t n = 0;
                 for (int64_t j = c0; j < start; j++, n++) {
                     memcpy(kB + n * rb, k + j * rb, rb);
                     memcpy(vB + n * rb, v + j * rb, rb);
                 }
                 for (int64_t r = 0; r < S; r++)
-                    if (mask[s * S + r]) {
+                    if ((mask ? mask[s * S + r] : r <= s) && (pos ? pos[r] : start + r) >= lo) {
                         memcpy(kB + n * rb, k + (start + r) * rb, rb);
                         memcpy(vB + n * rb, v + (start + r) * rb, rb);
                         n++;
                     }
-                LA = c0;
-                L = c0 + n;
+                LA = c0 - cl;
+                L = LA + n;
+                k += cl * rb, v += cl * rb;
+            } else {
+                k += lo * rb, v += lo * rb;
             }
             (kv == KV_Q8 ? attend_q8 : kv == KV_F16 ? attend_f16 : attend_f32)(
                 qkv + s * width + h0 * hd, (int)g, k, v, LA, kB, vB, L, (int)hd, scale, p, out + s * H * hd + h0 * hd,
@@ -405,6 +422,13 @@ int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, 
     if (kv == KV_Q8) /* the outputs back from the rotated values */
         for (int64_t r = 0; r < S * H; r++) hadamard(out + r * hd, hd, 1.0f / rot_size(hd));
     return 0;
+}
+
+/* attn_rows_ex at the rows' slots, every slot in view, queries scaled by hd ** -0.5 */
+int attn_rows_masked(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,
+                     void *kc, void *vc, int64_t max_len, int64_t start, const uint8_t *mask, float *out, int kv,
+                     int nthreads) {
+    return attn_rows_ex(qkv, S, H, Hkv, hd, cos, sin, kc, vc, max_len, start, mask, NULL, 0, 0.0f, out, kv, nthreads);
 }
 
 int attn_rows(float *qkv, int64_t S, int64_t H, int64_t Hkv, int64_t hd, const float *cos, const float *sin,

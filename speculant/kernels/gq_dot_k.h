@@ -37,7 +37,7 @@ static inline __m512 join8(__m256 lo, __m256 hi) { /* lanes 0-7 lo, 8-15 hi (AVX
 /* dot_k's work for superblock sb and R rows, its u, pair scales S, mins mn and d/dm in registers (loaded
  * from a decoded row by dot_k, decoded from the file's bytes by dot_k_raw: one piece of code, same bits).
  * A macro, not a function: as an always-inline function taking the vectors (arrays or by value), gcc 12
- * kept them in memory and R = 8 ran 6-10% slower (a Q4_K matrix, one thread). It reads the
+ * kept them in memory and R = 8 ran slower (docs/measurements.md "Kernel choices"). It reads the
  * caller's xq, K, sb, nsb, xd, xb, acc and accm. */
 #define DOT_K_SB(R, U, S, mn, d, dm)                                                                          \
     for (int m = 0; m < (R); m++) {                                                                           \

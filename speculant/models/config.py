@@ -85,7 +85,7 @@ class ModelConfig:
 
     @property
     def plain(self) -> bool:
-        """The llama/qwen2 block exactly: what the fused C loop (fused.py) and int8 calibration run."""
+        """The llama/qwen2 block exactly: what int8 calibration runs (the fused C loop runs every switch)."""
         return not (self.qk_norm or self.post_norms or self.activation != "silu" or self.embed_scale is not None
                     or self.attn_scale is not None or any(self.local_layers) or self.final_softcap is not None
                     or any(self.nope_layers))

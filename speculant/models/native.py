@@ -166,8 +166,9 @@ def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
         lib.attn_rows.restype = i32
         lib.rms_norm_rows.argtypes = [p, p, i64, i64, f32, p]
         lib.rms_norm_rows.restype = None
-        lib.silu_mul_rows.argtypes = [p, i64, i64, p]
-        lib.silu_mul_rows.restype = None
+        for name in ("silu_mul_rows", "gelu_tanh_mul_rows"):
+            getattr(lib, name).argtypes = [p, i64, i64, p]
+            getattr(lib, name).restype = None
         lib.gq_blocks.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, i64, i64, i32]
         lib.gq_blocks.restype = i32
     return lib

@@ -22,8 +22,8 @@ Which route a forward takes (S = tokens in the pass):
 
 | pass | when | attention | linear layers |
 |---|---|---|---|
-| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built | row-wise in C | gq.c integer kernel |
-| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_masked` in C where built, else torch per row | the format's kernel |
+| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built (every architecture) | row-wise in C | gq.c integer kernel |
+| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_ex` in C where built (sliding windows by position), else torch per row | the format's kernel |
 | SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (block types: gq_gemm on x86 builds) |
 | chunked prefill | causal S > prefill_chunk() on the CPU | ROW_WISE_MAX rows a pass, fused, where the "fused" prefill route leads; else PREFILL_CHUNK, SDPA | as that route |
 
@@ -48,6 +48,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
 from .formats.ggml import prefill_routes
+from .fused import attend_rows
 from .keys import tree_keys, window_keys
 from .rotary import _rope, rope_tables  # noqa: F401  (rope_tables: imported from here by build.py)
 
@@ -65,6 +66,10 @@ ROW_WISE_MAX = SHORT_PASS_MAX
 PREFILL_CHUNK = 384
 
 FINAL_HIDDEN = -1  # the taps id of the final normed hidden state (the lm_head's input)
+
+# The rotary tables of a pass, by a block's rope_table: the model's own, the sliding-window layers' (their own
+# base), and the identity (cos 1, sin 0) of layers without a rotary (SmolLM3's NoPE layers).
+ROPE_TABLES = ("global", "local", "none")
 
 
 @dataclass(slots=True)
@@ -87,11 +92,12 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.eps = cfg.norm_eps
         self.hidden_dim = cfg.hidden_dim
-        self.plain = cfg.plain
         self.gelu = cfg.activation == "gelu_tanh"
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.hd**-0.5
         self.window = cfg.sliding_window if cfg.is_local(layer) else None
-        self.rope = not (cfg.nope_layers and cfg.nope_layers[layer])  # False: Transformer passes identity tables
+        # which of a pass's rotary tables the layer takes (Transformer.forward: ROPE_TABLES)
+        nope = bool(cfg.nope_layers and cfg.nope_layers[layer])
+        self.rope_table = ROPE_TABLES.index("none" if nope else "local" if self.window is not None else "global")
         extra = extra or {}
         needed = (("q_norm", "k_norm") if cfg.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
         missing = [n for n in needed if n not in extra]
@@ -106,13 +112,16 @@ class Block(nn.Module):
                 if getattr(self, n) is not None}
 
     def forward(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
-                mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
+                mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None,
+                positions: Tensor | None = None) -> Tensor:
         """x [S, D] -> [S, D]; writes this layer's keys/values at cache slots start..start+S-1.
 
         mask: row-wise, the [S, S] tree mask over the pass rows or None (causal); else SDPA's [1, 1, S, L+S].
-        keys: the cache slots each row attends to, where given (a tree pass off the CPU, a sliding-window
-        layer: Transformer.forward reads them once per pass, not per layer)."""
-        h = self._attention(rms_norm(x, self.attn_norm, self.eps), cache, layer, start, cos, sin, mask, row_wise, keys)
+        keys (torch's row-wise attention): the cache slots each row attends to, where given (a tree pass off the
+        CPU, a sliding-window layer: Transformer.forward reads them once per pass, not per layer).
+        positions [S] (C's attention): the rows' positions, by which a sliding-window layer's window applies."""
+        h = self._attention(rms_norm(x, self.attn_norm, self.eps), cache, layer, start, cos, sin, mask, row_wise, keys,
+                            positions)
         if self.post_attn_norm is not None:
             h = rms_norm(h, self.post_attn_norm, self.eps)
         x = x + h
@@ -130,26 +139,15 @@ class Block(nn.Module):
         return torch.cat([q, k, qkv[:, (H + Hkv) * hd :]], 1)
 
     def _attention(self, x: Tensor, cache: KVCache, layer: int, start: int, cos: Tensor, sin: Tensor,
-                   mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None) -> Tensor:
+                   mask: Tensor | None, row_wise: bool, keys: list[Tensor] | None = None,
+                   positions: Tensor | None = None) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.n_heads, self.n_kv, self.hd
         qkv = self.qkv(x)  # [S, (H + 2 Hkv) hd]
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv, S)
-        # the C kernel scales queries by hd ** -0.5 and attends to every committed slot
-        lib = (native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 and self.window is None
-               and self.scale == hd**-0.5 else None)
-        if lib is not None:
-            # rope, cache write and row-wise attention in one C call (speculant/kernels/attention.c)
-            qkv = qkv.contiguous()
-            out = torch.empty(S, H * hd, dtype=torch.float32)
-            m = None if mask is None else mask.to(torch.bool).contiguous()
-            rc = lib.attn_rows_masked(qkv.data_ptr(), S, H, Hkv, hd, cos.data_ptr(), sin.data_ptr(),
-                                      cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.max_len, start,
-                                      None if m is None else m.data_ptr(), out.data_ptr(), cache.c_type,
-                                      torch.get_num_threads())
-            if rc:
-                raise MemoryError(f"native attention failed ({rc})")
-            return self.o(out)
+        lib = native_kernels() if row_wise and x.device.type == "cpu" and hd % 8 == 0 else None
+        if lib is not None:  # rope, cache write and row-wise attention in one C call (kernels/attention.c)
+            return self.o(attend_rows(lib, self, qkv, cache, layer, start, cos, sin, mask, positions))
         qk = _rope(qkv[:, : (H + Hkv) * hd].view(S, H + Hkv, hd), cos, sin)  # [S, H+Hkv, hd]
         q = qk[:, :H].transpose(0, 1)  # [H, S, hd]
         k_new = qk[:, H:].transpose(0, 1)  # [Hkv, S, hd]
@@ -292,26 +290,28 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # [S, D]
         if self.cfg.embed_scale is not None:
             x = x * self.cfg.embed_scale
+        # the pass's rotary tables, as ROPE_TABLES names them (each block takes its rope_table)
+        tables = [(cos, sin)] * len(ROPE_TABLES)
+        local = bool(self.cos_local.numel())
+        if local:
+            tables[ROPE_TABLES.index("local")] = (self.cos_local[positions], self.sin_local[positions])
+        if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
+            tables[ROPE_TABLES.index("none")] = (torch.ones_like(cos), torch.zeros_like(sin))
         fused = self.fused_blocks() if row_wise else None
         if fused is not None:
-            x, tapped = fused(x, cache, start, cos, sin, mask, taps)
+            x, tapped = fused(x, cache, start, tables, positions if local else None, mask, taps)
         else:
             tapped = {}
             # the CPU reads the mask row by row for free; a GPU would wait for its queue at every read
             keys = tree_keys(mask, start, x.device) if tree and row_wise and x.device.type != "cpu" else None
-            local = None
-            if self.cos_local.numel():
-                local = (self.cos_local[positions], self.sin_local[positions],
-                         *window_keys(self.cfg.sliding_window, mask, row_wise, start, positions))
-            if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
-                nope = (torch.ones_like(cos), torch.zeros_like(sin))
+            if local:  # the sliding-window layers' mask and keys (torch's attention; C's takes the positions)
+                w_mask, w_keys = window_keys(self.cfg.sliding_window, mask, row_wise, start, positions)
             for i, blk in enumerate(self.blocks):
-                if not blk.rope:
-                    x = blk(x, cache, i, start, nope[0], nope[1], mask, row_wise, keys)
-                elif blk.window is not None:
-                    x = blk(x, cache, i, start, local[0], local[1], local[2], row_wise, local[3])
+                c, s = tables[blk.rope_table]
+                if blk.window is not None:
+                    x = blk(x, cache, i, start, c, s, w_mask, row_wise, w_keys, positions)
                 else:
-                    x = blk(x, cache, i, start, cos, sin, mask, row_wise, keys)
+                    x = blk(x, cache, i, start, c, s, mask, row_wise, keys)
                 if i in taps:
                     tapped[i] = x
         cache.length = end
@@ -362,7 +362,8 @@ class Transformer(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [S, D] normalised per row, times weight [D]: one C call on CPU (torch's op costs ~30 us a call)."""
+    """x [S, D] normalised per row, times weight [D]: one C call on CPU (torch's op is several; docs/measurements.md
+    "Kernel choices", row kernels)."""
     fn = native_kernels()
     if fn is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 8:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -372,20 +373,27 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def swiglu(h: Tensor, hidden: int) -> Tensor:
-    """h [S, 2F] = gate | up -> silu(gate) * up [S, F]: one C call on CPU."""
+def _gated_rows(h: Tensor, hidden: int, kernel: str) -> Tensor | None:
+    """rows.c's `kernel` on h [S, 2F] = gate | up -> [S, F] where the C kernels serve h, else None."""
     fn = native_kernels()
     if fn is None or h.device.type != "cpu" or h.dtype != torch.float32 or hidden % 8:
-        return F.silu(h[:, :hidden]) * h[:, hidden:]
+        return None
     h = h.contiguous()
     out = torch.empty(h.shape[0], hidden, dtype=h.dtype)
-    fn.silu_mul_rows(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
+    getattr(fn, kernel)(h.data_ptr(), h.shape[0], hidden, out.data_ptr())
     return out
 
 
+def swiglu(h: Tensor, hidden: int) -> Tensor:
+    """h [S, 2F] = gate | up -> silu(gate) * up [S, F]: one C call on CPU."""
+    out = _gated_rows(h, hidden, "silu_mul_rows")
+    return F.silu(h[:, :hidden]) * h[:, hidden:] if out is None else out
+
+
 def geglu(h: Tensor, hidden: int) -> Tensor:
-    """h [S, 2F] = gate | up -> gelu_tanh(gate) * up [S, F] (Gemma's MLP)."""
-    return F.gelu(h[:, :hidden], approximate="tanh") * h[:, hidden:]
+    """h [S, 2F] = gate | up -> gelu_tanh(gate) * up [S, F] (Gemma's MLP): one C call on CPU."""
+    out = _gated_rows(h, hidden, "gelu_tanh_mul_rows")
+    return F.gelu(h[:, :hidden], approximate="tanh") * h[:, hidden:] if out is None else out
 
 
 @functools.cache
