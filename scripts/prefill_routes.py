@@ -22,9 +22,8 @@ ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 1024])
 ap.add_argument("--repeats", type=int, default=5)
 ap.add_argument("--isa", choices=[n for n, _, _ in native.ISAS])
 args = ap.parse_args()
-if args.isa:  # every kernel user asks native.library() for the build: hand it the one asked for
-    best = native.library
-    native.library = lambda isa=None: best(args.isa)
+if args.isa:  # every kernel user reads the build from $SPECULANT_ISA (native.forced_build)
+    os.environ["SPECULANT_ISA"] = native.check_build(args.isa)
 configure_threads()
 
 

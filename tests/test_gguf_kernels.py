@@ -164,6 +164,34 @@ def test_rows_are_bit_identical_alone_or_together_and_on_every_build():
         assert torch.equal(y, results[0][1]), (name, results[0][0])
 
 
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_the_largest_integer_sums_are_exact_on_every_build(t):
+    """Every u at its largest (all quant bits set: Q4_K's 15, Q6_K's 63) and every activation at +-127: the
+    sums the 256-bit builds keep in int16 before widening (gq_packed.h, PK_I16) at their bound, 1..8 rows a
+    pass, repacked; every build bit-identical and within float rounding of the float64 reference."""
+    K = 512
+    data = random_blocks(t, 32, K, seed=5).reshape(32, K // 256, -1)
+    if t == T.Q4_K:
+        data[:, :, 16:144] = 0xFF  # qs: every nibble 15
+        data[:, :, 4:16] = 0xFF  # 6-bit scales and mins at their largest
+    else:
+        data[:, :, 0:192] = 0xFF  # ql, qh: every u = 63
+        data[:, :, 192:208] = 0x7F  # scales 127
+    data = np.ascontiguousarray(data.reshape(32, -1))
+    sign = torch.where(torch.arange(K) % 3 == 0, -1.0, 1.0)
+    x = torch.stack([torch.ones(K), -torch.ones(K), sign, -sign, torch.ones(K), sign, -torch.ones(K), -sign])
+    ref = q8_reference(x, t) @ torch.from_numpy(dequant(t, data, K)).double().T
+    results = []
+    for name, lib in builds():
+        full = matmul(lib, [Part(int(t), data)], x, K)
+        for m in range(1, 9):
+            assert torch.equal(matmul(lib, [Part(int(t), data)], x[:m].contiguous(), K), full[:m]), (name, m)
+        assert ((full.double() - ref).abs().max() / ref.abs().max()) < 2e-6, name
+        results.append((name, full))
+    for name, y in results[1:]:
+        assert torch.equal(y, results[0][1]), (name, results[0][0])
+
+
 def test_an_odd_count_of_32_blocks_is_exact_and_bit_identical_everywhere():
     """Rows of 9 blocks: the SIMD builds take the blocks in pairs and the last one alone."""
     K = 9 * 32

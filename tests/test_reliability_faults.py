@@ -46,6 +46,7 @@ except Exception as e:
 def run_child(tmp_path: Path, *, machine: str = "", cc: str | None = None, home: Path | None = None):
     env = {**os.environ, "SPECULANT_HOME": str(home or tmp_path / "home"), "SPECULANT_THREADS": "1"}
     env.pop("SPECULANT_PORTABLE", None)
+    env.pop("SPECULANT_ISA", None)
     if cc is not None:
         env["SPECULANT_CC"] = cc
     code = _CHILD.format(tests=str(TESTS), machine=machine)
@@ -211,6 +212,7 @@ def test_a_failed_x86_build_falls_back_to_the_portable_kernels_with_a_warning(mo
     monkeypatch.setattr(native, "library", broken)
     monkeypatch.setattr(native, "supported_isas", lambda: ["avx2"])
     monkeypatch.delenv("SPECULANT_PORTABLE", raising=False)
+    monkeypatch.delenv("SPECULANT_ISA", raising=False)
     native._warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="speculant"):
         first, second = native.gq_library(), native.gq_library()

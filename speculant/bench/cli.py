@@ -8,6 +8,7 @@ produced tokens different from `ar`'s (an exactness failure), after writing its 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -46,6 +47,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--against", nargs="+", choices=PEERS, default=[], help="peer engines to measure too")
     s.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
     s.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    _add_isa_arg(s)
 
     m = modes.add_parser("methods", help="end-to-end speed of ar / draft / lookup on HumanEval or Spec-Bench")
     add_model_args(m)
@@ -73,6 +75,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--bandwidth-gib", type=float, default=0.25,
                    help="array size of the memory bandwidth measured before each prompt (0: none)")
     m.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
+    _add_isa_arg(m)
 
     v = modes.add_parser("serve", help="load test of `speculant serve` on loopback: concurrent streaming clients, "
                                        "every response checked against the request run alone")
@@ -83,7 +86,27 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
+def _add_isa_arg(p: argparse.ArgumentParser) -> None:
+    from ..models.native import BUILDS
+
+    p.add_argument("--isa", choices=BUILDS, default=None,
+                   help="the kernels' build (default: $SPECULANT_ISA, else the fastest this CPU runs): a narrower one "
+                        "than the CPU allows measures that build on this host; one the CPU lacks is refused")
+
+
+def _use_isa(args: argparse.Namespace) -> None:
+    """--isa, before any kernel loads: every user of the kernels reads the build from $SPECULANT_ISA."""
+    from ..models import native
+
+    if getattr(args, "isa", None):
+        native.check_build(args.isa)
+        os.environ["SPECULANT_ISA"] = args.isa
+    native.forced_build()  # a bad $SPECULANT_ISA is refused now, not after loading the models
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_mode in ("speed", "methods"):
+        _use_isa(args)
     if args.bench_mode == "speed":
         return _speed(args)
     if args.bench_mode == "methods":

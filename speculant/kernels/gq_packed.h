@@ -163,6 +163,18 @@ static inline vi_t with_bit(vi_t w, vi_t h, int b, int tb) {
 #endif
 }
 
+/* AVX2 without VNNI has no one-instruction u8 x s8 dot product: VDP_U8 is vpmaddubsw, vpmaddwd by ones and vpaddd.
+ * A Q4_K pass there keeps each sub-block's pair sums in int16 (vpmaddubsw, vpaddw) and widens them once per
+ * sub-block, by vpmaddwd with the sub-block's scales (the scale in both halves of each lane; no vpmulld): fewer
+ * instructions per activation row, the same exact integer S (u < 16, |x| <= 127: a pair <= 3810, the 8 groups of
+ * a sub-block <= 30480 < 32767; vpmaddubsw never saturates). */
+#if !GQ_VNNI
+#define PK_I16 1
+static inline vi_t i16_scales(vi_t s) { return VI_OR(s, VI_SLLI32(s, 16)); } /* s < 2^15 in each int32 lane */
+#else
+#define PK_I16 0
+#endif
+
 /* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
 static inline __attribute__((always_inline)) void packed_rows(const int R, const int q5, const uint8_t *tile,
                                                               const int64_t nsb,
@@ -200,12 +212,30 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     }
                 }
                 for (int m = 0; m < R; m++) {
+#if PK_I16
+                    if (!q5) { /* int16 sums (above) */
+                        const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
+                        for (int v = 0; v < NV; v++) {
+                            Il[m][v] = _mm256_add_epi16(Il[m][v], _mm256_maddubs_epi16(wl[v], xl));
+                            Ih[m][v] = _mm256_add_epi16(Ih[m][v], _mm256_maddubs_epi16(wh[v], xh));
+                        }
+                        continue;
+                    }
+#endif
                     DP_BCAST(Il[m], wl, x + m * K + 4 * g, NV);
                     DP_BCAST(Ih[m], wh, x + m * K + 128 + 4 * g, NV);
                 }
             }
             for (int v = 0; v < NV; v++) {
                 const vi_t scl = VI_U8_32(o + PK_SC + 16 * j + VL * v), sch = VI_U8_32(o + PK_SC + 16 * (j + 4) + VL * v);
+#if PK_I16
+                if (!q5) {
+                    const vi_t sl = i16_scales(scl), sh = i16_scales(sch);
+                    for (int m = 0; m < R; m++)
+                        S[m][v] = VI_ADD(S[m][v], VI_ADD(_mm256_madd_epi16(Il[m][v], sl), _mm256_madd_epi16(Ih[m][v], sh)));
+                    continue;
+                }
+#endif
                 for (int m = 0; m < R; m++)
                     S[m][v] = VI_ADD(S[m][v], VI_ADD(VI_MULLO(Il[m][v], scl), VI_MULLO(Ih[m][v], sch)));
             }

@@ -8,6 +8,9 @@ the rest falls back to torch. Libraries are compiled into `$SPECULANT_HOME/kerne
 `~/.cache/speculant/kernels/`; a temporary folder where that is not writable) under a name that
 includes a hash of the sources and flags, so an edited source is rebuilt and a damaged file is never
 trusted. A failed build is remembered for the process, not retried on every load.
+
+$SPECULANT_ISA (avx512vnni, avxvnni, avx2 or portable; `speculant bench speed --isa`) forces one build, so any
+host can measure a narrower build than its best; a build this CPU cannot run is refused, not emulated.
 """
 
 from __future__ import annotations
@@ -90,13 +93,19 @@ def _build(gcc: str, flags: tuple[str, ...], sources: tuple[Path, ...], out: Pat
             os.unlink(tmp)
 
 
-def _load(gcc: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+def library_path(build: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> Path:
+    """Where the build of these sources with these flags is cached: its name (from ISAS, or "portable") and a
+    hash of the sources and flags, so two builds never share a file and an edited source is rebuilt."""
     try:
         code = b"".join(src.read_bytes() for src in sources + HEADERS)
     except OSError as e:
         raise SpeculantError(f"a kernel source is missing ({e}); reinstall speculant") from None
-    digest = hashlib.sha256(code + "\0".join(flags).encode()).hexdigest()[:16]
-    out = _writable_kernel_dir() / f"speculant-{digest}.so"
+    digest = hashlib.sha256(code + "\0".join((build,) + flags).encode()).hexdigest()[:16]
+    return _writable_kernel_dir() / f"speculant-{build}-{digest}.so"
+
+
+def _load(gcc: str, build: str, sources: tuple[Path, ...], flags: tuple[str, ...]) -> ctypes.CDLL:
+    out = library_path(build, sources, flags)
     for attempt in range(2):
         if not out.exists():
             _build(gcc, flags, sources, out)
@@ -128,12 +137,42 @@ ISAS = (
 )
 
 
+BUILDS = tuple(name for name, _, _ in ISAS) + ("portable",)  # what $SPECULANT_ISA and --isa accept
+
+
 def supported_isas() -> list[str]:
     """The ISAS this CPU runs, fastest first ("avx2" always last); empty where AVX2 is missing."""
     if not cpu_ok():
         return []
     flags = cpu_flags()
     return [name for name, need, _ in ISAS if need <= flags]
+
+
+def check_build(name: str) -> str:
+    """`name` if it is a build (BUILDS) this CPU runs, else a SpeculantError saying what to pick instead."""
+    if name not in BUILDS:
+        raise SpeculantError(f"unknown kernel build {name!r} ($SPECULANT_ISA or --isa): choose one of "
+                             f"{', '.join(BUILDS)}")
+    runs = supported_isas()
+    if name != "portable" and name not in runs:
+        need = {"avx2", "fma", "f16c"} | next(need for n, need, _ in ISAS if n == name)
+        lacks = sorted(need - cpu_flags())
+        raise SpeculantError(f"this CPU ({platform.machine()}) cannot run the {name} build of the kernels: it lacks "
+                             f"{', '.join(lacks)}; the builds it runs: {', '.join(runs + ['portable'])}")
+    return name
+
+
+def forced_build() -> str | None:
+    """The build $SPECULANT_ISA forces (checked: check_build), "portable" for the older $SPECULANT_PORTABLE=1,
+    or None: the fastest this CPU runs."""
+    want = os.environ.get("SPECULANT_ISA", "").strip().lower()
+    portable = os.environ.get("SPECULANT_PORTABLE") == "1"
+    if not want:
+        return "portable" if portable else None
+    check_build(want)
+    if portable and want != "portable":
+        raise SpeculantError(f"SPECULANT_ISA={want} and SPECULANT_PORTABLE=1 ask for two builds; unset one")
+    return want
 
 
 def _bind(lib: ctypes.CDLL, full: bool) -> ctypes.CDLL:
@@ -187,24 +226,38 @@ def _remembered(key: str, make):
         raise
 
 
-@functools.cache
 def library(isa: str | None = None) -> ctypes.CDLL:
     """The x86 kernels (built on first use; SpeculantError where they cannot run here).
 
-    `isa` picks a build from ISAS (default: the fastest this CPU runs whose build succeeds; an older
-    gcc without the flag falls back to the next). The results do not depend on the choice.
+    `isa` picks a build from ISAS (default: the one $SPECULANT_ISA forces, else the fastest this CPU runs whose
+    build succeeds; an older gcc without the flag falls back to the next). The results do not depend on the
+    choice. With $SPECULANT_ISA=portable there are none: the callers take the portable kernels and torch.
     """
+    if isa is None:
+        isa = forced_build()
+        if isa == "portable":
+            raise SpeculantError("the x86 kernels are off: $SPECULANT_ISA=portable (or $SPECULANT_PORTABLE=1) "
+                                 "forces the portable build")
+    elif isa == "portable" or isa not in BUILDS:
+        raise SpeculantError(f"library() builds one of {', '.join(BUILDS[:-1])}, not {isa!r}")
+    return _library(isa)
+
+
+@functools.cache
+def _library(isa: str | None) -> ctypes.CDLL:
     def make() -> ctypes.CDLL:
         if not cpu_ok():
             raise SpeculantError(f"{NEEDS}; this CPU ({platform.machine()}) lacks them: the portable kernels "
                                  "and torch serve instead")
+        if isa is not None:
+            check_build(isa)
         gcc = _compiler()
         torch.get_num_threads()  # torch's OpenMP runtime is loaded first, so the kernels share its libgomp
         names = supported_isas() if isa is None else [isa]
         for name in names:
             extra = next(flags for n, _, flags in ISAS if n == name)
             try:
-                lib = _bind(_load(gcc, SOURCES, _FLAGS + extra), True)
+                lib = _bind(_load(gcc, name, SOURCES, _FLAGS + extra), True)
                 lib.speculant_isa = name  # (kernel_build)
                 return lib
             except SpeculantError:
@@ -221,20 +274,26 @@ def portable_library() -> ctypes.CDLL:
     def make() -> ctypes.CDLL:
         gcc = _compiler()
         torch.get_num_threads()
-        return _bind(_load(gcc, PORTABLE_SOURCES, _BASE_FLAGS), False)
+        lib = _bind(_load(gcc, "portable", PORTABLE_SOURCES, _BASE_FLAGS), False)
+        lib.speculant_isa = "portable"
+        return lib
 
     return _remembered("portable", make)
 
 
 def gq_library() -> ctypes.CDLL:
     """The block-format kernels: the x86 build where it runs, else the portable one
-    ($SPECULANT_PORTABLE=1 forces the portable one, for tests and comparisons)."""
-    if os.environ.get("SPECULANT_PORTABLE") != "1":
-        try:
-            return library()
-        except SpeculantError as e:
-            if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
-                _warn_once(f"speculant: {e}; the portable C kernels run instead (the same results, many times slower)")
+    ($SPECULANT_ISA picks one, for tests and comparisons: forced_build)."""
+    forced = forced_build()  # a bad $SPECULANT_ISA is refused here, not taken as a failed build
+    if forced == "portable":
+        return portable_library()
+    try:
+        return library()
+    except SpeculantError as e:
+        if forced is not None:  # the build asked for by name: no silent substitute
+            raise
+        if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
+            _warn_once(f"speculant: {e}; the portable C kernels run instead (the same results, many times slower)")
     return portable_library()
 
 
