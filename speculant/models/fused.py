@@ -4,8 +4,8 @@ The C loop runs the kernels Transformer.forward's Python path calls, in the same
 result is bit-identical (tests/test_fused.py, for every architecture's switches); it saves the Python a
 decode step otherwise spends between kernels, about a tenth of a step of the 1.5B target and of the 0.5B
 draft (`scripts/step_timing.py`), and more of Gemma 3's (docs/measurements.md "Gemma 3 270M against
-llama.cpp"). It applies where every block's linears are `GGMLLinear`s on the CPU and the x86 kernels are
-built; anything else keeps the Python path, whose row-wise attention is `attend_rows` here. Tree passes
+llama.cpp (AVX2 host)"). It applies where every block's linears are `GGMLLinear`s on the CPU and the x86
+kernels are built; anything else keeps the Python path, whose row-wise attention is `attend_rows` here. Tree passes
 (an [S, S] ancestor mask) and taps (the residual after chosen blocks, copied out in C) take it too.
 """
 
