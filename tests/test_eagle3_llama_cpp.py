@@ -8,14 +8,15 @@ the EAGLE repo / SpecForge layout are converted by llama.cpp's convert_hf_to_ggu
     permutation undone, d2t's absolute ids back to offsets, Llama 3 rope scaling from rope_freqs) and
     first-step draft logits within float tolerance;
 (b) greedy output with the GGUF drafter is identical to `ar` and to llama.cpp's greedy on the target GGUF;
-(c) llama-speculative-simple --spec-type draft-eagle3 runs the same pair greedily with chains of K drafts:
-    its output and its drafted / accepted counts against speculant's (topk 1, K nodes: the same chain
-    of the same drafter). A random drafter is almost never right, so this one is built to be: the
-    target's last layer is nearly the identity, the drafter's fc passes that layer's input (tap id N-1)
-    through and its lm_head and norm are the target's, with small random attention and MLP weights on
-    top, so it proposes "the pending token again" (what the target does once it settles into a
-    repetition). (Tap id N, the target's last hidden state, is no use here: llama.cpp reads it from
-    the graph's MTP output, which its Qwen3 graph does not set, so its drafts there are never right);
+(c) llama-speculative-simple --spec-type draft-eagle3 runs the same pair greedily with chains of K drafts
+    (all KV caches f32): its output, and round by round its K drafts and accepted count, against
+    speculant's (topk 1, K nodes: the same chain of the same drafter). A random drafter is almost never
+    right, so `repeat` is built to be: the target's last layer is nearly the identity, the drafter's fc
+    passes that layer's input (tap id N-1) through and its lm_head and norm are the target's, with small
+    random attention and MLP weights on top, so it proposes "the pending token again" (what the target
+    does once it settles into a repetition). (Tap id N, the target's last hidden state, is no use here:
+    llama.cpp reads it from the graph's MTP output, which its Qwen3 graph does not set, so its drafts
+    there are never right.) The random drafter's rounds part from the second round on: xfail below;
 (d) GGUF files that are not an EAGLE-3 drafter, or not for this target, are clear errors.
 """
 
