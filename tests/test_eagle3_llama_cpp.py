@@ -248,3 +248,17 @@ def test_not_a_drafter_gguf_is_a_clear_error(files, target):
     smollm2 = load_model(REAL, None, progress=False)
     with pytest.raises(SpeculantError, match="hidden_size is 64, the target's hidden size is 576"):
         load_head(files["random.gguf"], smollm2.config)
+
+
+def test_cli_drafter_gguf_matches_ar(files, capsys, monkeypatch):
+    from speculant.cli import main
+
+    monkeypatch.setenv("SPECULANT_HOME", str(files["target"].parent / "home"))
+    common = ["--model", str(files["target.gguf"]), "-n", "12", "--stats", "--no-progress", PROMPT]
+    outs = []
+    for extra in (["--method", "ar"], ["--drafter", str(files["repeat.gguf"])]):
+        rc = main(["generate", *extra, *common])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        outs.append((out, json.loads(err.strip().splitlines()[-1])))
+    assert outs[0][0] == outs[1][0] and outs[1][1]["method"] == "eagle3" and outs[1][1]["drafted_tokens"] > 0
