@@ -189,10 +189,12 @@ def _llama_speculative(bin_dir: Path, target: Path, drafter: Path, prompt: str) 
 
 # Found, not yet explained: with the random drafter (attention that matters) the first round's chain is
 # llama.cpp's, but from the second round on a later draft differs with no near-tie (round 1, draft 2: llama.cpp
-# 18525 at p 0.359 over our 39601 at 0.313). The repeat drafter's attention is small, so it passes. Where
-# the two keep the drafter's history apart (rejected drafts' cache rows, the feature paired with the
-# round's first token) is open; strict, so that a fix shows.
-_DIFFERS = pytest.mark.xfail(strict=True, reason="llama.cpp's drafts differ from the second round on (random drafter)")
+# 18525 at p 0.359 over our 39601 at 0.313). tests/eagle3_ref.py's chain, recomputed from scratch on the
+# committed tokens for that round, agrees with llama.cpp (39601, 18525, 18525, ...), so it is speculant's
+# EagleDrafter whose chains after the first round depart from EAGLE-3's (drafts only: the output is
+# verified, and stays equal to ar). The repeat drafter's attention is small, so it passes. Strict, so that a
+# fix shows.
+_DIFFERS = pytest.mark.xfail(strict=True, reason="speculant's drafts differ from llama.cpp's (and the reference's) from the second round on")
 
 
 @pytest.mark.parametrize("name", ["repeat", pytest.param("random", marks=_DIFFERS)])
