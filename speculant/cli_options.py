@@ -33,8 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "pytorch_model.bin through torch's weights-only loader)")
     p.add_argument("--drafter", default=None, metavar="PATH",
                    help="a published drafter folder (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or speculators "
-                        "layout: config.json + model.safetensors or pytorch_model.bin), or any folder --heads takes; "
-                        "picks --method from its config (eagle3) unless --method is given")
+                        "layout: config.json + model.safetensors or pytorch_model.bin; or llama.cpp's EAGLE-3 drafter .gguf "
+                        "file), or any folder --heads takes; picks --method from its config (eagle3) unless --method is given")
     p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 4)")
     p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 4)")
     p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 2)")

@@ -80,13 +80,15 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
 
 def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
     """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 drafter, or any head
-    folder): its method read from its config (`--drafter PATH` on the command line). Use it as
+    folder; or llama.cpp's EAGLE-3 drafter GGUF file): its method read from its config (`--drafter PATH` on the command line). Use it as
     `Engine(load_model(...), method=drafter_method(PATH))`."""
     from pathlib import Path
 
     from .heads.formats import head_method
 
-    if not (Path(path).expanduser() / "config.json").is_file():
-        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder)")
+    where = Path(path).expanduser()
+    if not (where / "config.json").is_file() and not (where.is_file() and where.suffix.lower() == ".gguf"):
+        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder, or llama.cpp's "
+                             "EAGLE-3 drafter .gguf file)")
     base = base or MethodConfig()
     return replace(base, name=head_method(Path(path).expanduser()), heads=replace(base.heads, name=str(path)))

@@ -8,6 +8,7 @@ EAGLE-3's). Safetensors, or pytorch_model.bin through torch's weights-only loade
 | EAGLE-1/2 (yuhuili) | Llama config of the one layer | `fc.{weight,bias}` [D, 2D], `layers.0.self_attn.{q,k,v,o}_proj`, `layers.0.mlp.*`, `layers.0.post_attention_layernorm` (output: the target's own rows) |
 | EAGLE-3 (yuhuili, AngelSlim, SpecForge) | Llama config + `draft_vocab_size` | `fc.weight` [D, 3D], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}`, `midlayer.self_attn.*`, `midlayer.mlp.*`, `norm`, `lm_head`, `d2t` (offsets), `t2d` (bool) |
 | EAGLE-3 (speculators / vLLM) | `speculators_model_type: eagle3`, `transformer_layer_config`, `draft_vocab_size`, `eagle_aux_hidden_state_layer_ids` | as yuhuili with `layers.0.` for `midlayer.` |
+| EAGLE-3 (llama.cpp) | one `.gguf` file, general.architecture `eagle3` (gguf_drafter.py) | `fc`, `blk.0.*`, `output`, `d2t` (absolute ids) |
 
 `export_speculators` writes our EAGLE-3 heads in the last layout (what vLLM and SGLang load). An
 `embed_tokens.weight` in a checkpoint is ignored: heads read the target's own embedding.
@@ -26,6 +27,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
 from .config import HeadConfig
+from .gguf_drafter import gguf_method, is_gguf, read_gguf_drafter, with_rope_freqs
 from .modules import EagleHead, MedusaHeads, build_head
 from .published import eagle3_config, is_eagle3, layer_prefix, strip_wrapper, vocab_map
 
@@ -63,6 +65,10 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
     """(head in float32, stats) from a checkpoint folder in any layout above; `target_cfg` is the
     target's ModelConfig (shapes are checked against it)."""
     folder = Path(folder)
+    if is_gguf(folder):  # llama.cpp's EAGLE-3 drafter GGUF
+        head = _eagle3_from(*read_gguf_drafter(folder), target_cfg, folder)
+        _check_target(head.cfg, target_cfg, folder)
+        return head, {}
     raw = _read_config(folder)
     tensors = _read_tensors(folder)
     if "speculant_head" in raw:
@@ -90,6 +96,8 @@ def head_method(folder: Path) -> str:
     """The method a head folder drafts for (medusa, eagle2, eagle3), from its config and tensor names
     (no weights read where they are safetensors)."""
     folder = Path(folder)
+    if is_gguf(folder):
+        return gguf_method(folder)
     raw = _read_config(folder)
     if "speculant_head" in raw:
         return HeadConfig.from_dict(raw["speculant_head"]).method
@@ -239,7 +247,7 @@ def _eagle2_from(c: dict, t: dict[str, Tensor], target_cfg, folder: Path) -> Eag
 
 def _eagle3_from(raw: dict, t: dict[str, Tensor], target_cfg, folder: Path) -> EagleHead:
     t = strip_wrapper(t)
-    cfg = eagle3_config(raw, t, target_cfg, folder)
+    cfg = with_rope_freqs(eagle3_config(raw, t, target_cfg, folder), t, folder)
     p = layer_prefix(t)
     fc = _need(t, "fc.weight", folder)
     if tuple(fc.shape) != (cfg.hidden, cfg.feature_dim):

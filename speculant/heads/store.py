@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..errors import SpeculantError
 from ..hub import speculant_home
+from .gguf_drafter import is_gguf
 
 
 def heads_dir() -> Path:
@@ -28,7 +29,7 @@ def resolve_heads(spec: str | None, model_name: str, method: str) -> Path:
     default name for this model and method."""
     name = spec or default_name(model_name, method)
     p = Path(name).expanduser()
-    if (p / "config.json").is_file():
+    if (p / "config.json").is_file() or is_gguf(p):  # a folder, or llama.cpp's EAGLE-3 drafter GGUF
         return p
     q = heads_dir() / name
     if (q / "config.json").is_file():
