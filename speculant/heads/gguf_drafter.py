@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import SpeculantError
 from ..gguf_file import GGUFFile
-from ..models.load_gguf import _unpermute
+from ..models.load_gguf import unpermute
 from .config import HeadConfig
 
 _ARCH = "eagle3"
@@ -81,7 +81,7 @@ def read_gguf_drafter(path: Path) -> tuple[dict, dict[str, Tensor]]:
         if t is not None:
             w = torch.from_numpy(f.dequantize(t))
             if name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
-                w = _unpermute(w, heads if ".attn_q." in name else kv_heads)
+                w = unpermute(w, heads if ".attn_q." in name else kv_heads)
             tensors[hf] = w
     if "lm_head.weight" not in tensors:
         raise SpeculantError(f"{path}: the drafter has no output.weight (llama.cpp then borrows the target's output "

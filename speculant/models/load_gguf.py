@@ -159,7 +159,7 @@ class GGUFSource:
         c = self.config
         if c.arch in _PERMUTED and name.rsplit(".", 1)[-1] in ("q", "k", "q_bias", "k_bias"):
             heads = c.n_heads if ".q" in name else c.n_kv_heads
-            w = _unpermute(w, heads)
+            w = unpermute(w, heads)
         return w
 
     def part(self, name: str):
@@ -184,7 +184,7 @@ class GGUFSource:
         c = self.config
         if c.arch in _PERMUTED and name.rsplit(".", 1)[-1] in ("q", "k"):
             heads = c.n_heads if name.endswith(".q") else c.n_kv_heads
-            order = _unpermute(torch.arange(rows), heads)  # new row i <- file row order[i]
+            order = unpermute(torch.arange(rows), heads)  # new row i <- file row order[i]
             perm = torch.empty(rows, dtype=torch.int32)
             perm[order] = torch.arange(rows, dtype=torch.int32)
             perm = perm.numpy()
@@ -204,7 +204,7 @@ class GGUFSource:
         return self.file.dequantize(t)
 
 
-def _unpermute(w: Tensor, n_heads: int) -> Tensor:
+def unpermute(w: Tensor, n_heads: int) -> Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half halves)."""
     rows = w.shape[0]
     rest = w.shape[1:]
