@@ -85,10 +85,11 @@ def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
     from pathlib import Path
 
     from .heads.formats import head_method
+    from .heads.gguf_drafter import is_gguf
 
     where = Path(path).expanduser()
-    if not (where / "config.json").is_file() and not (where.is_file() and where.suffix.lower() == ".gguf"):
+    if not (where / "config.json").is_file() and not is_gguf(where):
         raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder, or llama.cpp's "
                              "EAGLE-3 drafter .gguf file)")
     base = base or MethodConfig()
-    return replace(base, name=head_method(Path(path).expanduser()), heads=replace(base.heads, name=str(path)))
+    return replace(base, name=head_method(where), heads=replace(base.heads, name=str(path)))

@@ -103,27 +103,13 @@ def head_method(folder: Path) -> str:
         return HeadConfig.from_dict(raw["speculant_head"]).method
     if "medusa_num_heads" in raw:
         return "medusa"
-    names = _tensor_names(folder)
+    names = _read_tensors(folder, load=False)
     if raw.get("speculators_model_type") == "eagle3" or is_eagle3(raw, strip_wrapper(names)):
         return "eagle3"
     if "fc.weight" in names:
         return "eagle2"
     raise SpeculantError(f"{folder}: not a drafter speculant knows (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or "
                          "speculators layout, EAGLE, Medusa, or heads from `speculant train-heads`)")
-
-
-def _tensor_names(folder: Path) -> dict[str, None]:
-    files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("checkpoint")]
-    if not files:
-        return dict.fromkeys(_read_bin(folder))
-    names: dict[str, None] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                names.update(dict.fromkeys(h.keys()))
-        except Exception as e:
-            raise SpeculantError(f"{f}: not a readable safetensors file ({e})") from None
-    return names
 
 
 def _read_config(folder: Path) -> dict:
@@ -139,17 +125,18 @@ def _read_config(folder: Path) -> dict:
     return raw
 
 
-def _read_tensors(folder: Path) -> dict[str, Tensor]:
+def _read_tensors(folder: Path, load: bool = True) -> dict[str, Tensor | None]:
+    """The head's tensors by name (load=False: the names only, None for each, where they are safetensors)."""
     # model.safetensors (or its shards) is the head; a training folder also holds checkpoint.safetensors
     files = [f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("checkpoint")]
     if not files:
         return _read_bin(folder)
-    out: dict[str, Tensor] = {}
+    out: dict[str, Tensor | None] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    out[k] = h.get_tensor(k)
+                    out[k] = h.get_tensor(k) if load else None
         except Exception as e:  # a truncated or foreign file: say which
             raise SpeculantError(f"{f}: not a readable safetensors file ({e})") from None
     return out

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..models.cache import KVCache
 from ..models.formats import ggml_available, make_linear
-from ..models.transformer import _rope
+from ..models.rotary import _rope, tables
 from .config import HeadConfig
 
 INIT_STD = 0.02  # HF's initializer_range for Llama layers
@@ -87,13 +87,11 @@ def attend(layer: DraftLayer, x: Tensor, residual: Tensor, cache: KVCache, posit
 
 def rope_tables_for(cfg: HeadConfig, target) -> tuple[Tensor, Tensor]:
     """cos, sin [n, hd/2] the head rotates with, for the target's positions (`target` a Transformer):
-    the target's own tables, or the head's frequencies (a published drafter's rope_theta / scaling),
-    built the way rotary.rope_tables builds the target's."""
+    the target's own tables, or the head's frequencies (a published drafter's rope_theta / scaling)."""
     if not cfg.rope_inv_freq:
         return target.cos, target.sin
-    n = target.cos.shape[0]
-    freqs = torch.outer(torch.arange(n, dtype=torch.float32), torch.tensor(cfg.rope_inv_freq, dtype=torch.float32))
-    return freqs.cos().to(target.cos.device), freqs.sin().to(target.cos.device)
+    cos, sin = tables(cfg.rope_inv_freq, target.cos.shape[0])
+    return cos.to(target.cos.device), sin.to(target.cos.device)
 
 
 def inference_format() -> str:

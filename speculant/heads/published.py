@@ -106,7 +106,7 @@ def eagle3_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
                       norm_before_residual=bool(raw.get("norm_before_residual", False)),
                       feature_norm="concat" if raw.get("norm_before_fc") else "per_tap" if raw.get("fc_norm") else "none",
                       norm_output=bool(raw.get("norm_output", False)),
-                      qk_norm=qwen3 or f"{layer_prefix(tensors)}self_attn.q_norm.weight" in tensors,
+                      qk_norm=qwen3 or f"{p}self_attn.q_norm.weight" in tensors,
                       rope_inv_freq=tuple(layer.inv_freq()))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -11,8 +13,12 @@ from .config import ModelConfig
 def rope_tables(cfg: ModelConfig, n: int, local: bool = False) -> tuple[Tensor, Tensor]:
     """cos, sin [n, hd/2] for positions 0..n-1, in float32 the way HF computes them (local: the
     sliding-window layers' rotary)."""
-    inv_freq = torch.tensor(cfg.local_inv_freq() if local else cfg.inv_freq(), dtype=torch.float32)
-    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)
+    return tables(cfg.local_inv_freq() if local else cfg.inv_freq(), n)
+
+
+def tables(inv_freq: Sequence[float], n: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [n, len(inv_freq)] of the given inverse frequencies for positions 0..n-1, in float32."""
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), torch.tensor(inv_freq, dtype=torch.float32))
     return freqs.cos(), freqs.sin()
 
 
