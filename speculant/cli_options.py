@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 from .errors import SpeculantError
+from .method import METHODS
+from .methods.registry import METHOD_SPECS
 from .models.cache import KV_DTYPES
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -20,13 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
     p.add_argument("--draft", "-d", default=None,
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
-    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", "medusa", "eagle2", "eagle3"),
-                   default=None,
-                   help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
-                        "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model), "
-                        "lookup_tree, medusa / eagle2 / eagle3 (draft heads on the target's hidden states, trained by "
-                        "`speculant train-heads`); default: hybrid if --draft is given, else lookup (exact like "
-                        "every method, and needs no second model)")
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="decoding method; default: hybrid if --draft is given, else lookup (exact like every method, "
+                        "and needs no second model). " + "; ".join(f"{n}: {s.summary}" for n, s in METHOD_SPECS.items()))
     p.add_argument("--heads", default=None,
                    help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
                         "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors, or "

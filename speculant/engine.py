@@ -22,16 +22,11 @@ import torch
 
 from .errors import SpeculantError
 from .governor import Governor, GovernorMemory
-from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
-from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter
-from .methods.draft_model import DraftModelDrafter, reduced_head
-from .methods.draft_tree import DraftTreeDrafter
-from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridDrafter
-from .methods.lookup import LookupDrafter
+from .method import MODEL_METHODS, MethodConfig
+from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter, DrafterInputs
+from .methods.draft_model import reduced_head
+from .methods.registry import METHOD_SPECS
 from .heads.runtime import heads_thread_invariant, load_heads
-from .methods.eagle import EagleDrafter
-from .methods.lookup_tree import LookupTreeDrafter
-from .methods.medusa import MedusaDrafter
 from .models import LoadedModel
 from .prefix import KeptPrefix, PromptCache
 from .runtime import ThreadShare, configure_threads, threads_fixed
@@ -88,7 +83,8 @@ class Engine:
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
         self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
         self._draft_cost = 0.0
-        if self.method.name in MODEL_METHODS:
+        spec = METHOD_SPECS[self.method.name]
+        if spec.loads == "draft":
             if draft is None:
                 raise SpeculantError(f"--method {self.method.name} needs a draft model (--draft MODEL)")
             check_compatible(target, draft)
@@ -103,12 +99,13 @@ class Engine:
         # what the governor learned in this engine's generations (one generation at a time per engine)
         self._governor_memory = GovernorMemory()
         self._head = None  # the draft head of a head method, loaded once per engine
-        if self.method.name in HEAD_METHODS:
+        self._head_stats: dict = {}
+        if spec.loads == "heads":
             self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
         # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
         # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
         adapt = (not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
-                 and (draft is None or self.method.name not in MODEL_METHODS or draft.model.thread_invariant())
+                 and (draft is None or spec.loads != "draft" or draft.model.thread_invariant())
                  and (self._head is None or heads_thread_invariant(self._head)))
         self._share = ThreadShare(self.threads) if adapt else None
         self.tokenizer = target.tokenizer
@@ -173,27 +170,13 @@ class Engine:
                                  f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
     def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
-        m = self.method
-        if m.name == "lookup":
-            return LookupDrafter(m.lookup, self.target.model.device)
-        if m.name == "lookup_tree":
-            return LookupTreeDrafter(m.lookup_tree, m.lookup, self.target.model.device)
-        if m.name == "medusa":
-            return MedusaDrafter(self._head, m.heads, self._head_stats.get("val", {}).get("ranks"))
-        if m.name in HEAD_METHODS:
-            return EagleDrafter(self._head, self.target.model, m.heads, max_len)
-        if m.name in MODEL_METHODS:
-            assert self.draft is not None
-            dm = m.draft_model.resolved(HYBRID_DRAFT_CONTEXT if m.name == "hybrid" else 0)
-            model = DraftModelDrafter(self.draft.model, sampler, dm, max_len,
-                                      self.target.config.vocab_size, self._draft_head, kept)
-            if m.name == "draft":
-                return model
-            if m.name == "draft_tree":
-                return DraftTreeDrafter(model, m.draft_tree, m.draft_length.max_k)
-            return HybridDrafter(LookupDrafter(m.lookup.resolved(HYBRID_MIN_NGRAM), self.target.model.device), model,
-                                 m.hybrid, self._draft_cost)
-        return None
+        """The method's drafter for one generation (methods/registry.py), None for plain decoding."""
+        build = METHOD_SPECS[self.method.name].build
+        if build is None:
+            return None
+        return build(DrafterInputs(self.method, self.target.model, sampler, max_len,
+                                   self.draft.model if self.draft is not None else None, self._draft_head,
+                                   self._draft_cost, kept, self._head, self._head_stats))
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:
         for ev in self.stream(prompt, gen, **kw):
@@ -226,7 +209,7 @@ class Engine:
                             self._governor_memory)
         # the auto draft length reads the clock where the governor may (draft_length.py)
         policy = DraftLength(self.method.draft_length, timed=governor.active)
-        nodes = getattr(drafter, "nodes", None)
+        nodes = drafter.nodes if drafter is not None else None
         stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         if gen.ignore_eos:
             stops = frozenset()
@@ -234,7 +217,7 @@ class Engine:
         stats = Stats(method=self.method.name, prompt_tokens=len(ids))
 
         # hidden states the drafter reads (methods/base.py): asked of every target forward, handed over
-        taps: tuple[int, ...] = tuple(getattr(drafter, "taps", ())) if drafter is not None else ()
+        taps: tuple[int, ...] = tuple(drafter.taps) if drafter is not None else ()
         t0 = time.perf_counter()
         pre = kept.target.prefill(ids, max_len, logits=True, taps=taps)
         logits = pre.logits  # [1, V]
@@ -253,7 +236,7 @@ class Engine:
             self._share.start()
         pending = first
         decoded = [first]  # the tokens after the prompt: all but the last (pending) end up in the cache
-        ready = getattr(drafter, "ready", None)  # drafters that defer their prompt's prefill (draft_model.py)
+        unready = True  # a drafter may defer its prompt's prefill to `ready` (draft_model.py)
         deferred = 0.0
         while not out.finished:
             room = max_len - cache.length - 1  # the forward below writes 1 + k slots
@@ -263,12 +246,12 @@ class Engine:
             paused = drafter is not None and not governor.speculate  # the governor's plain round
             speculating = drafter is not None and not paused
             k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculating else 0
-            if k > 0 and ready is not None:
+            if k > 0 and unready:
                 # A deferred prompt prefill: the generation's prefill, neither a round's cost nor decoding
                 # (HumanEval, hybrid: 14% of the decode seconds when it was counted there)
                 t = time.perf_counter()
-                ready()
-                ready = None
+                drafter.ready()
+                unready = False
                 deferred = time.perf_counter() - t
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
@@ -311,7 +294,7 @@ class Engine:
         stats.decode_seconds = time.perf_counter() - t_decode - deferred
         # a conversation's next prompt may reuse them (prefix.py)
         kept.target.keep_decoded(decoded[:-1])
-        if hasattr(drafter, "finish"):
+        if drafter is not None:
             drafter.finish(decoded[:-1])
         stats.prefill_seconds += deferred
         stats.generated_tokens = out.count

@@ -14,10 +14,12 @@ from .methods.draft_tree import DraftTreeConfig
 from .methods.hybrid import HybridConfig
 from .methods.lookup import LookupConfig
 from .methods.lookup_tree import LookupTreeConfig
+from .methods.registry import METHOD_SPECS
 
-HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
-METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
-MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
+METHODS = tuple(METHOD_SPECS)
+# drafters on the target's hidden states: trained heads or published drafters (speculant/heads)
+HEAD_METHODS = tuple(name for name, spec in METHOD_SPECS.items() if spec.loads == "heads")
+MODEL_METHODS = tuple(name for name, spec in METHOD_SPECS.items() if spec.loads == "draft")  # need --draft
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     parts: dict[str, dict[str, object]] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, eq, value = item.partition("=")
-        keys = _HEAD_KEYS if cfg.name in HEAD_METHODS else _SPEC_KEYS
+        keys = _HEAD_KEYS if METHOD_SPECS[cfg.name].options == "heads" else _SPEC_KEYS
         if not eq or key not in keys:
             raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(keys)}")
         group, field_name, cast = keys[key]

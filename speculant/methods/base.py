@@ -15,15 +15,20 @@ below give the shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
 from ..candidates import Dist
-from ..models.transformer import FINAL_HIDDEN
+from ..models.formats import QLinear
+from ..models.transformer import FINAL_HIDDEN, Transformer
+from ..prefix import KeptPrefix
+from ..sampling import Sampler
 from ..tree import DraftTree
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig
+
 
 
 @dataclass(slots=True)
@@ -35,16 +40,22 @@ class Draft:
 # Taps: layer ids 0..n_layers-1 = the residual stream after that block (EAGLE-3's low/mid/high
 # features); FINAL_HIDDEN (-1) = the last block's residual after the model's final norm, the
 # lm_head's input (Medusa's and EAGLE's "hidden state").
-__all__ = ["FINAL_HIDDEN", "MAX_DRAFT_TOKENS", "Draft", "DraftLength", "DraftLengthConfig", "Drafter"]
+__all__ = ["FINAL_HIDDEN", "MAX_DRAFT_TOKENS", "Draft", "DraftLength", "DraftLengthConfig", "Drafter", "DrafterInputs",
+           "MethodSpec"]
 
 
-class Drafter(Protocol):
-    """A speculative method. `taps` (a class attribute; () when absent) names the target hidden states
-    the drafter reads: layer ids, or FINAL_HIDDEN. With taps, `start` and `commit` get `hidden=`:
-    {tap: [R, D] float32} rows of the target's forward for the R tokens that just became context, in
-    order. Without taps the engine never passes `hidden=`, so chain drafters keep their signatures."""
+class Drafter:
+    """A speculative method's drafter: subclasses implement start, propose and commit; the rest has defaults.
 
-    name: str
+    `taps` names the target hidden states the drafter reads: layer ids, or FINAL_HIDDEN (() = none). With
+    taps, `start` and `commit` get `hidden=`: {tap: [R, D] float32} rows of the target's forward for the R
+    tokens that just became context, in order. Without taps the engine never passes `hidden=`, so chain
+    drafters keep their signatures. `nodes` (tree drafters) is the fixed node count of every round's
+    tree; None = chains, whose length the draft-length policy sets."""
+
+    name: str = ""
+    taps: tuple[int, ...] = ()
+    nodes: int | None = None
 
     def start(self, prompt: list[int]) -> None:
         """Begin a generation whose context is `prompt` (all of it committed, nothing pending).
@@ -55,12 +66,14 @@ class Drafter(Protocol):
         `ready()`, which the engine calls before it times a speculative round. A drafter with a prompt
         cache of its own has `finish(decoded)`, which the engine calls when a generation ends with the
         tokens after the prompt whose keys/values the target's cache kept (prefix.py)."""
+        raise NotImplementedError
 
     def propose(self, pending: int, k: int) -> Draft | DraftTree:
         """Up to k tokens predicted to follow the committed context + `pending`: a chain (`Draft`) or a
         tree of at most k nodes (`DraftTree`). k is the engine's budget of pass rows (the room left in
         the cache and in max_new_tokens, at most MAX_DRAFT_TOKENS); tree methods set their draft
         length to their node count with the fixed schedule."""
+        raise NotImplementedError
 
     def commit(self, accepted: list[int], n_drafted: int) -> None:
         """`accepted` = [pending, *accepted drafts] became context; the new pending comes next.
@@ -68,3 +81,42 @@ class Drafter(Protocol):
         n_drafted = tokens (nodes) proposed this round. After a `DraftTree` the engine adds
         `path=[node ids of the accepted drafts]` (len(accepted) - 1 of them, root first); tap drafters
         get `hidden=h`, h[tap] [len(accepted), D]: the rows of pending and the accepted path."""
+        raise NotImplementedError
+
+    def ready(self) -> None:
+        """Run work deferred from `start` (a prompt prefill) now: before the first timed speculative round."""
+
+    def finish(self, decoded: list[int]) -> None:
+        """The generation ended; `decoded` = the tokens after the prompt that the target's cache kept."""
+
+
+@dataclass(slots=True)
+class DrafterInputs:
+    """What the engine hands a method's `build` for one generation."""
+
+    method: Any  # the generation's MethodConfig (method.py, which reads this registry: no import back)
+    target: Transformer
+    sampler: Sampler  # the generation's, shared with the target: draws and penalties count one context
+    max_len: int  # cache slots the generation may use
+    draft: Transformer | None = None  # the draft model (methods that load one)
+    draft_head: QLinear | None = None  # its reduced-vocabulary output layer, None = its own
+    draft_cost: float = 0.0  # a draft forward in target forwards (weight bytes)
+    kept: KeptPrefix | None = None  # the draft model's prompt cache in a conversation
+    head: Any = None  # the loaded heads or published drafter (head methods)
+    head_stats: dict = field(default_factory=dict)  # what training measured of the heads (rank hit rates)
+
+
+@dataclass(frozen=True, slots=True)
+class MethodSpec:
+    """One decoding method as the registry (registry.py) lists it."""
+
+    name: str
+    summary: str  # one line for the CLI's help and the docs
+    build: Callable[[DrafterInputs], Drafter] | None  # None: plain decoding
+    loads: str = ""  # "draft": a draft model (--draft); "heads": heads or a drafter on the target's hidden states
+    tree: bool = False  # verifies a tree of candidates per round
+    options: str = "chain"  # the 'name:key=value' keys it takes: "chain" or "heads" (method.py)
+
+    def __post_init__(self) -> None:
+        if self.loads not in ("", "draft", "heads") or self.options not in ("chain", "heads"):
+            raise ValueError(f"method {self.name}: loads {self.loads!r} / options {self.options!r} unknown")

@@ -21,7 +21,7 @@ from ..models.transformer import Transformer
 from ..prefix import KeptPrefix
 from ..candidates import Dist, draw
 from ..sampling import Sampler, top_token
-from .base import Draft
+from .base import Draft, Drafter, DrafterInputs, MethodSpec
 
 CONTEXT_STEP = 64  # the draft's prompt window (DraftModelConfig.context) starts at multiples of this
 
@@ -75,7 +75,7 @@ def reduced_head(model: Transformer, cfg: DraftModelConfig) -> QLinear | None:
     return None
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, model: Transformer, sampler: Sampler, cfg: DraftModelConfig, max_len: int,
@@ -219,3 +219,14 @@ class DraftModelDrafter:
         self.cache.rollback(base + 1 + keep)
         self.committed = self.cache.length
         self.unfed = accepted[1 + keep :]
+
+
+def build(c: DrafterInputs, context: int = 0) -> DraftModelDrafter:
+    """The draft model's drafter for one generation; `context` = the method's default prompt window."""
+    assert c.draft is not None
+    return DraftModelDrafter(c.draft, c.sampler, c.method.draft_model.resolved(context), c.max_len,
+                             c.target.cfg.vocab_size, c.draft_head, c.kept)
+
+
+SPEC = MethodSpec("draft", "a small draft model of the same tokenizer proposes tokens one by one", build=build,
+                  loads="draft")

@@ -20,8 +20,8 @@ import torch
 from ..candidates import Dist
 from ..errors import SpeculantError
 from ..tree import DraftTree
-from .base import MAX_DRAFT_TOKENS
-from .draft_model import DraftModelDrafter
+from .base import MAX_DRAFT_TOKENS, Drafter, MethodSpec
+from .draft_model import DraftModelDrafter, build
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class _Recorder:
         return getattr(self._model, name)
 
 
-class DraftTreeDrafter:
+class DraftTreeDrafter(Drafter):
     name = "draft_tree"
 
     def __init__(self, inner: DraftModelDrafter, cfg: DraftTreeConfig, max_chain: int) -> None:
@@ -108,3 +108,8 @@ class DraftTreeDrafter:
             self.inner.commit(accepted, n)
         else:
             self.inner.commit(accepted, len(self.chain_nodes))
+
+
+SPEC = MethodSpec("draft_tree", "the draft model's chain plus its runner-up tokens, verified as one tree",
+                  build=lambda c: DraftTreeDrafter(build(c), c.method.draft_tree, c.method.draft_length.max_k),
+                  loads="draft", tree=True)

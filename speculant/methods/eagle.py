@@ -26,9 +26,10 @@ from ..heads.runtime import HeadsConfig
 from ..models.cache import KVCache
 from ..models.transformer import Transformer
 from ..tree import DraftTree
+from .base import Drafter, DrafterInputs, MethodSpec
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, target: Transformer, cfg: HeadsConfig, max_len: int) -> None:
         self.name = head.cfg.method
         # the layers the engine taps, each once (a published default on a small target can name one twice)
@@ -158,3 +159,13 @@ def _select(tokens: Tensor, parents: list[int], scores: Tensor, budget: int) -> 
     kept.sort(key=lambda i: (depth[i], rank[i]))
     new = {old: j for j, old in enumerate(kept)}
     return DraftTree(tokens[kept], [new[parents[i]] if parents[i] >= 0 else -1 for i in kept])
+
+
+def build(c: DrafterInputs) -> EagleDrafter:
+    return EagleDrafter(c.head, c.target, c.method.heads, c.max_len)
+
+
+EAGLE2 = MethodSpec("eagle2", "an EAGLE head on the target's last hidden state drafts a dynamic tree (--heads)",
+                    build=build, loads="heads", tree=True, options="heads")
+EAGLE3 = MethodSpec("eagle3", "an EAGLE-3 head on three of the target's layers drafts a dynamic tree (--heads, "
+                    "or a published drafter: --drafter)", build=build, loads="heads", tree=True, options="heads")

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from .base import Draft
-from .draft_model import DraftModelDrafter
+from .base import Draft, Drafter, DrafterInputs, MethodSpec
+from .draft_model import DraftModelDrafter, build as build_draft
 from .lookup import LookupDrafter
 
 
@@ -79,7 +79,7 @@ class _Mean:
         self.value = x if self.value is None else self.decay * self.value + (1.0 - self.decay) * x
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     name = "hybrid"
 
     def __init__(self, lookup: LookupDrafter, model: DraftModelDrafter, cfg: HybridConfig | None = None,
@@ -150,3 +150,12 @@ class HybridDrafter:
         self.emitted = accepted[1:]
         self.lookup.commit(accepted, n_drafted)
         self.model.commit(accepted, n_drafted)  # after an unchecked round it feeds them next time
+
+
+def build(c: DrafterInputs) -> HybridDrafter:
+    lookup = LookupDrafter(c.method.lookup.resolved(HYBRID_MIN_NGRAM), c.target.device)
+    return HybridDrafter(lookup, build_draft(c, HYBRID_DRAFT_CONTEXT), c.method.hybrid, c.draft_cost)
+
+
+SPEC = MethodSpec("hybrid", "prompt lookup's guess checked by the draft model, else the draft model's own chain",
+                  build=build, loads="draft")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from .base import Draft
+from .base import Draft, Drafter, DrafterInputs, MethodSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class NgramIndex:
             h.pop()
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, cfg: LookupConfig, device: torch.device | str = "cpu") -> None:
@@ -113,3 +113,7 @@ class LookupDrafter:
     def commit(self, accepted: list[int], n_drafted: int) -> None:
         for t in accepted:
             self.ngrams.push(t)
+
+
+SPEC = MethodSpec("lookup", "prompt lookup: copies what followed the longest earlier match of the context",
+                  build=lambda c: LookupDrafter(c.method.lookup, c.target.device))

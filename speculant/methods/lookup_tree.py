@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..tree import DraftTree
-from .base import MAX_DRAFT_TOKENS
+from .base import MAX_DRAFT_TOKENS, Drafter, MethodSpec
 from .lookup import LookupConfig, NgramIndex
 
 
@@ -44,7 +44,7 @@ class LookupTreeConfig:
             raise SpeculantError(f"lookup tree depth must be >= 1, got {self.depth}")
 
 
-class LookupTreeDrafter:
+class LookupTreeDrafter(Drafter):
     name = "lookup_tree"
 
     def __init__(self, cfg: LookupTreeConfig, lookup: LookupConfig, device: torch.device | str = "cpu") -> None:
@@ -91,3 +91,7 @@ class LookupTreeDrafter:
             self.proposed_depth = 0
         for t in accepted:
             self.ngrams.push(t)
+
+
+SPEC = MethodSpec("lookup_tree", "prompt lookup with several candidate continuations, verified as one tree",
+                  build=lambda c: LookupTreeDrafter(c.method.lookup_tree, c.method.lookup, c.target.device), tree=True)

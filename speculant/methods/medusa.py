@@ -19,6 +19,7 @@ from ..heads.modules import MedusaHeads
 from ..heads.runtime import HeadsConfig
 from ..models.transformer import FINAL_HIDDEN
 from ..tree import DraftTree
+from .base import Drafter, MethodSpec
 
 # Rank hit rates assumed for heads that come without measured ones (imported checkpoints):
 # Medusa-1's reported top-1 accuracy of ~0.6 for head 1, falling per head and per rank.
@@ -47,7 +48,7 @@ def prior_ranks(heads: int) -> list[list[float]]:
             for k in range(heads)]
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     name = "medusa"
     taps = (FINAL_HIDDEN,)
 
@@ -76,3 +77,8 @@ class MedusaDrafter:
             guesses = logits.topk(self.width, -1).indices.reshape(-1)  # [depth * width]
             n = min(k, len(self.paths))  # paths are prefix-closed in order: any first n form a tree
             return DraftTree(self.head.d2t[guesses[self.index[:n]]], self.parents[:n])
+
+
+SPEC = MethodSpec("medusa", "Medusa heads on the target's last hidden state, a static tree (--heads)",
+                  build=lambda c: MedusaDrafter(c.head, c.method.heads, c.head_stats.get("val", {}).get("ranks")),
+                  loads="heads", tree=True, options="heads")

@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 from ..errors import SpeculantError
+from ..heads.config import HEAD_METHODS
 from .answers import ANSWER_TOKENS
 
 
 def add_heads_parsers(sub) -> None:
     t = sub.add_parser("train-heads", help="train draft heads (medusa, eagle2, eagle3) for a model on this machine")
-    t.add_argument("--method", required=True, choices=("medusa", "eagle2", "eagle3"), help="which head")
+    t.add_argument("--method", required=True, choices=HEAD_METHODS, help="which head")
     t.add_argument("--model", "-m", default="qwen2.5-coder-1.5b-instruct", help="target: preset, .gguf or HF folder")
     t.add_argument("--dtype", default=None, help="the target's weight format (default: as generate)")
     t.add_argument("--data", nargs="+", default=None, metavar="PATH",
