@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGUFWriter
 
 from speculant.errors import SpeculantError
 from speculant.heads.gguf_drafter import read_gguf_drafter

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from .base import Draft, Drafter, DrafterInputs, MethodSpec
+from .base import Draft, Drafter, MethodSpec
 
 
 @dataclass(frozen=True, slots=True)
