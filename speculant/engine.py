@@ -20,56 +20,25 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .generation import Chunk, Done, GenerationConfig, Output
 from .errors import SpeculantError
 from .governor import Governor, GovernorMemory
 from .method import MODEL_METHODS, MethodConfig
-from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter, DrafterInputs
+from .methods.base import MAX_DRAFT_TOKENS, Draft, DraftLength, Drafter, DrafterInputs
 from .methods.draft_model import reduced_head
 from .methods.registry import METHOD_SPECS
 from .heads.runtime import heads_thread_invariant, load_heads
 from .models import LoadedModel
+from .models.cache import KVCache
+from .models.transformer import Transformer
 from .prefix import KeptPrefix, PromptCache
 from .runtime import ThreadShare, configure_threads, threads_fixed
-from .sampling import Sampler, SamplingConfig
+from .sampling import Sampler
 from .stats import Stats
 from .tree import DraftTree
 from .tree_round import tree_round
 from .verify import verify_greedy, verify_sampled
 from .vocab import check_compatible
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationConfig:
-    max_new_tokens: int = 256
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-turn tokens
-    ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise SpeculantError(f"max tokens must be >= 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop_strings):
-            raise SpeculantError("stop strings must be non-empty")
-
-
-@dataclass(slots=True)
-class Chunk:
-    text: str
-    token_ids: list[int]
-    # The first `drafted` of token_ids were the drafter's, accepted by the target; the rest the target's
-    # own. `drafted_chars` leading characters of `text` came while emitting those (a chat page colours them).
-    drafted: int = 0
-    drafted_chars: int = 0
-    proposed: int = 0  # drafts the target checked in the round that emitted this chunk
-
-
-@dataclass(slots=True)
-class Done:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (end token or stop string) | "length" (max tokens or context)
-    stats: Stats
 
 
 class Engine:
@@ -188,40 +157,17 @@ class Engine:
                system: str | None = None, cache: PromptCache | None = None) -> Iterator[Chunk | Done]:
         """Generate from `prompt`; `cache` (from `prompt_cache()`) reuses an earlier prompt's prefill.
 
-        Closing the iterator early (a client that left) stops the generation at that round.
+        Closing the iterator early (a client that left) stops the generation at that round. The phases: set up
+        (`_begin`), prefill the prompt and emit its first token, start the drafter, then rounds until the
+        output is finished (`_chain_round` or `_tree_round`), and hand the caches on (`_end`).
         """
         gen = gen or GenerationConfig()
         ids = self.encode_prompt(prompt, chat=chat, system=system)
-        model = self.target.model
-        sampling = gen.sampling
-        device = model.device
-        # tree drafters (tree.py) declare their nodes per round, chains follow the draft-length policy
-        k_max = 0 if self.method.name == "ar" else max(self.method.draft_length.max_k, MAX_DRAFT_TOKENS)
-        max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
-        kept = cache or self.prompt_cache(reuse=False)
-        cache = kept.target.cache_for(max_len)
-        # target and drafter sample through one Sampler: its penalties count the same context
-        sampler = Sampler(sampling, self.target.config.vocab_size, device)
-        sampler.start(ids)
-        drafter = self._drafter(sampler, max_len, kept.draft)
-        # speculative or plain rounds, whichever is measured faster (governor.py)
-        governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling),
-                            self._governor_memory)
-        # the auto draft length reads the clock where the governor may (draft_length.py)
-        policy = DraftLength(self.method.draft_length, timed=governor.active)
-        nodes = drafter.nodes if drafter is not None else None
-        stops = frozenset(gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
-        if gen.ignore_eos:
-            stops = frozenset()
-        out = _Output(self.tokenizer, gen, stops)
-        stats = Stats(method=self.method.name, prompt_tokens=len(ids))
-
-        # hidden states the drafter reads (methods/base.py): asked of every target forward, handed over
-        taps: tuple[int, ...] = tuple(drafter.taps) if drafter is not None else ()
+        r = self._begin(ids, gen, cache)
+        stats, out, drafter, sampler = r.stats, r.out, r.drafter, r.sampler
         t0 = time.perf_counter()
-        pre = kept.target.prefill(ids, max_len, logits=True, taps=taps)
-        logits = pre.logits  # [1, V]
-        first = int(sampler.pick(logits))
+        pre = r.kept.target.prefill(ids, r.max_len, logits=True, taps=r.taps)
+        first = int(sampler.pick(pre.logits))
         sampler.push([first])
         stats.target_forwards = 1
         stats.cached_prompt_tokens = pre.reused
@@ -229,23 +175,23 @@ class Engine:
         yield from out.push([first])  # before the drafter's prefill: the time to the first token is the target's
         t_draft = time.perf_counter()
         if drafter is not None and not out.finished:
-            drafter.start(ids, **({"hidden": pre.hidden} if taps else {}))
+            drafter.start(ids, **({"hidden": pre.hidden} if r.taps else {}))
         t_decode = time.perf_counter()
         stats.prefill_seconds += t_decode - t_draft
         if self._share is not None:
             self._share.start()
         pending = first
-        decoded = [first]  # the tokens after the prompt: all but the last (pending) end up in the cache
+        r.decoded.append(first)  # the tokens after the prompt: all but the last (pending) end up in the cache
         unready = True  # a drafter may defer its prompt's prefill to `ready` (draft_model.py)
         deferred = 0.0
         while not out.finished:
-            room = max_len - cache.length - 1  # the forward below writes 1 + k slots
+            room = r.max_len - r.cache.length - 1  # the forward below writes 1 + k slots
             if room < 0:
                 out.finish("length")
                 break
-            paused = drafter is not None and not governor.speculate  # the governor's plain round
+            paused = drafter is not None and not r.governor.speculate  # the governor's plain round
             speculating = drafter is not None and not paused
-            k = min(nodes or policy.k, gen.max_new_tokens - out.count - 1, room) if speculating else 0
+            k = min(r.nodes or r.policy.k, gen.max_new_tokens - out.count - 1, room) if speculating else 0
             if k > 0 and unready:
                 # A deferred prompt prefill: the generation's prefill, neither a round's cost nor decoding
                 # (HumanEval, hybrid: 14% of the decode seconds when it was counted there)
@@ -256,50 +202,87 @@ class Engine:
             ta = time.perf_counter()
             draft = drafter.propose(pending, k) if drafter is not None and k > 0 else None
             tb = time.perf_counter()
-            if isinstance(draft, DraftTree):  # every node in one pass, the accepted path kept (tree_round.py)
-                r = tree_round(model, cache, sampler, pending, draft, taps)
-                new, kd, n = r.tokens, draft.size, len(r.tokens) - 1
-                sampler.push(new)
-                decoded += new
-                drafter.commit([pending] + new[:n], kd, path=r.path, **({"hidden": r.hidden} if taps else {}))
-                self._finish_round(stats, governor, None, paused, ta, tb, kd, n)  # trees keep their node count
-                yield from out.push(new, drafted=n, proposed=kd)
-                pending = new[-1]
-                continue
-            drafted = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=device)
-            kd = int(drafted.shape[0])
-            base = cache.length
-            fwd = model(torch.cat([drafted.new_tensor([pending]), drafted]), cache, taps=taps)
-            logits = fwd.logits  # [kd+1, V]
-            # row j follows the drafts before it: the penalties count them (reading them is a host sync)
-            prefix = drafted.tolist() if sampler.penalized else ()
-            if sampler.generator is None:
-                tokens, n_acc = verify_greedy(drafted, sampler.adjust(logits, prefix))
+            if isinstance(draft, DraftTree):
+                new, kd, n = self._tree_round(r, pending, draft)
+                policy = None  # trees keep their node count
             else:
-                tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None,
-                                               sampler.dist(logits, prefix), sampler.generator)
-            read = torch.cat([n_acc.reshape(1), tokens]).tolist()  # the round's one host sync
-            n = read[0]
-            new = read[1 : n + 2]
-            sampler.push(new)
-            decoded += new
-            cache.rollback(base + 1 + n)
-            if drafter is not None:
-                hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if taps else {}
-                drafter.commit([pending] + new[:n], kd, **hidden)
-                policy.update(n, kd)
-            self._finish_round(stats, governor, policy, paused, ta, tb, kd, n)
+                new, kd, n = self._chain_round(r, pending, draft)
+                policy = r.policy
+            self._finish_round(stats, r.governor, policy, paused, ta, tb, kd, n)
             yield from out.push(new, drafted=n, proposed=kd)
             pending = new[-1]
         stats.decode_seconds = time.perf_counter() - t_decode - deferred
-        # a conversation's next prompt may reuse them (prefix.py)
-        kept.target.keep_decoded(decoded[:-1])
-        if drafter is not None:
-            drafter.finish(decoded[:-1])
         stats.prefill_seconds += deferred
-        stats.generated_tokens = out.count
-        yield from out.flush()
-        yield Done(out.text, out.token_ids, out.reason, stats)
+        yield from self._end(r)
+
+    def _begin(self, ids: list[int], gen: GenerationConfig, cache: PromptCache | None) -> "_Run":
+        """One generation's state: its caches, sampler, drafter, governor, draft-length policy and output."""
+        # tree drafters (tree.py) declare their nodes per round, chains follow the draft-length policy
+        k_max = 0 if self.method.name == "ar" else max(self.method.draft_length.max_k, MAX_DRAFT_TOKENS)
+        max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
+        kept = cache or self.prompt_cache(reuse=False)
+        # target and drafter sample through one Sampler: its penalties count the same context
+        sampler = Sampler(gen.sampling, self.target.config.vocab_size, self.target.model.device)
+        sampler.start(ids)
+        drafter = self._drafter(sampler, max_len, kept.draft)
+        # speculative or plain rounds, whichever is measured faster (governor.py)
+        governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(gen.sampling),
+                            self._governor_memory)
+        # the auto draft length reads the clock where the governor may (draft_length.py)
+        policy = DraftLength(self.method.draft_length, timed=governor.active)
+        stops = frozenset() if gen.ignore_eos else frozenset(
+            gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
+        # hidden states the drafter reads (methods/base.py): asked of every target forward, handed over
+        taps: tuple[int, ...] = tuple(drafter.taps) if drafter is not None else ()
+        return _Run(self.target.model, kept, kept.target.cache_for(max_len), max_len, sampler, drafter, governor,
+                    policy, drafter.nodes if drafter is not None else None, taps,
+                    Output(self.tokenizer, gen, stops), Stats(method=self.method.name, prompt_tokens=len(ids)))
+
+    def _chain_round(self, r: "_Run", pending: int, draft: Draft | None) -> tuple[list[int], int, int]:
+        """Score [pending, *draft] in one target pass, verify, keep what was accepted: (new tokens, drafted,
+        accepted)."""
+        sampler, cache = r.sampler, r.cache
+        drafted = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=r.model.device)
+        kd = int(drafted.shape[0])
+        base = cache.length
+        fwd = r.model(torch.cat([drafted.new_tensor([pending]), drafted]), cache, taps=r.taps)
+        logits = fwd.logits  # [kd+1, V]
+        # row j follows the drafts before it: the penalties count them (reading them is a host sync)
+        prefix = drafted.tolist() if sampler.penalized else ()
+        if sampler.generator is None:
+            tokens, n_acc = verify_greedy(drafted, sampler.adjust(logits, prefix))
+        else:
+            tokens, n_acc = verify_sampled(drafted, draft.q if draft is not None else None,
+                                           sampler.dist(logits, prefix), sampler.generator)
+        read = torch.cat([n_acc.reshape(1), tokens]).tolist()  # the round's one host sync
+        n = read[0]
+        new = read[1 : n + 2]
+        sampler.push(new)
+        r.decoded += new
+        cache.rollback(base + 1 + n)
+        if r.drafter is not None:
+            hidden = {"hidden": {t: h[: n + 1] for t, h in fwd.taps.items()}} if r.taps else {}
+            r.drafter.commit([pending] + new[:n], kd, **hidden)
+            r.policy.update(n, kd)
+        return new, kd, n
+
+    def _tree_round(self, r: "_Run", pending: int, draft: DraftTree) -> tuple[list[int], int, int]:
+        """Every node of the tree in one pass, the accepted path kept (tree_round.py)."""
+        t = tree_round(r.model, r.cache, r.sampler, pending, draft, r.taps)
+        new, kd, n = t.tokens, draft.size, len(t.tokens) - 1
+        r.sampler.push(new)
+        r.decoded += new
+        r.drafter.commit([pending] + new[:n], kd, path=t.path, **({"hidden": t.hidden} if r.taps else {}))
+        return new, kd, n
+
+    def _end(self, r: "_Run") -> Iterator[Chunk | Done]:
+        # a conversation's next prompt may reuse them (prefix.py)
+        r.kept.target.keep_decoded(r.decoded[:-1])
+        if r.drafter is not None:
+            r.drafter.finish(r.decoded[:-1])
+        r.stats.generated_tokens = r.out.count
+        yield from r.out.flush()
+        yield Done(r.out.text, r.out.token_ids, r.out.reason, r.stats)
 
     def _finish_round(self, stats: Stats, governor: Governor, policy: DraftLength | None, paused: bool, ta: float,
                       tb: float, kd: int, n: int) -> None:
@@ -317,82 +300,20 @@ class Engine:
         stats.record_round(kd, n)
 
 
-class _Output:
-    """Turns accepted tokens into emitted text: stop tokens, max tokens, stop strings, streaming."""
+@dataclass(slots=True)
+class _Run:
+    """One generation's state, from `Engine._begin`."""
 
-    def __init__(self, tokenizer, gen: GenerationConfig, stops: frozenset[int]) -> None:
-        self.detok = tokenizer.detokenizer()
-        self.gen = gen
-        self.stops = stops
-        self.token_ids: list[int] = []
-        self.text = ""  # emitted text
-        self.held = ""  # text that might be the start of a stop string
-        self.finished = False
-        self.reason = "length"
-        self.hold = max((len(s) for s in gen.stop_strings), default=0)
-        self.string_hit = False
-
-    @property
-    def count(self) -> int:
-        return len(self.token_ids)
-
-    def finish(self, reason: str) -> None:
-        self.finished, self.reason = True, reason
-
-    def push(self, tokens: list[int], drafted: int = 0, proposed: int = 0) -> Iterator[Chunk]:
-        emitted: list[int] = []
-        piece = ""
-        drafted_chars = None
-        for i, t in enumerate(tokens):
-            if i == drafted:
-                drafted_chars = len(piece)
-            if t in self.stops:
-                self.finish("stop")
-                break
-            self.token_ids.append(t)
-            emitted.append(t)
-            new = self.detok.push(t)
-            if self.gen.stop_strings:
-                new, hit = self._scan(new)
-                piece += new
-                if hit:
-                    self.string_hit = True
-                    self.finish("stop")
-                    break
-            else:
-                piece += new
-            if self.count >= self.gen.max_new_tokens:
-                self.finish("length")
-                break
-        if piece or emitted:
-            self.text += piece
-            n = min(drafted, len(emitted))
-            yield Chunk(piece, emitted, n, len(piece) if drafted_chars is None else drafted_chars, proposed)
-
-    def _scan(self, piece: str) -> tuple[str, bool]:
-        """Return the text safe to emit and whether a stop string was hit (text cut before it)."""
-        buf = self.held + piece
-        cut = min((i for i in (buf.find(s) for s in self.gen.stop_strings) if i >= 0), default=-1)
-        if cut >= 0:
-            self.held = ""
-            return buf[:cut], True
-        # Keep back the longest tail that could still grow into a stop string.
-        keep = 0
-        for n in range(1, min(self.hold, len(buf) + 1)):
-            if any(s.startswith(buf[-n:]) for s in self.gen.stop_strings):
-                keep = n
-        self.held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], False
-
-    def flush(self) -> Iterator[Chunk]:
-        if self.string_hit:  # the text ends before the stop string; nothing more to say
-            return
-        rest = self.detok.flush()
-        if self.gen.stop_strings:
-            rest, hit = self._scan(rest)
-            if not hit:
-                rest += self.held
-            self.held = ""
-        if rest:
-            self.text += rest
-            yield Chunk(rest, [])
+    model: Transformer
+    kept: PromptCache
+    cache: KVCache
+    max_len: int
+    sampler: Sampler
+    drafter: Drafter | None
+    governor: Governor
+    policy: DraftLength
+    nodes: int | None  # a tree drafter's nodes per round; None: chains, as long as the policy says
+    taps: tuple[int, ...]
+    out: Output
+    stats: Stats
+    decoded: list[int] = field(default_factory=list)
