@@ -27,7 +27,7 @@ from .method import MODEL_METHODS, MethodConfig
 from .methods.base import MAX_DRAFT_TOKENS, Draft, DraftLength, Drafter, DrafterInputs
 from .methods.draft_model import reduced_head
 from .methods.registry import METHOD_SPECS
-from .heads.runtime import heads_thread_invariant, load_heads
+from .heads.runtime import heads_thread_invariant
 from .models import LoadedModel
 from .models.cache import KVCache
 from .models.transformer import Transformer
@@ -69,8 +69,8 @@ class Engine:
         self._governor_memory = GovernorMemory()
         self._head = None  # the draft head of a head method, loaded once per engine
         self._head_stats: dict = {}
-        if spec.loads == "heads":
-            self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
+        if spec.load is not None:
+            self._head, self._head_stats = spec.load(target, self.method)
         # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
         # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
         adapt = (not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
@@ -138,14 +138,15 @@ class Engine:
             raise SpeculantError(f"prompt token id {bad} is not a token: the tokenizer has {known} (0..{known - 1}); "
                                  f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
-    def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
+    def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None,
+                 target_kept: KeptPrefix | None = None) -> Drafter | None:
         """The method's drafter for one generation (methods/registry.py), None for plain decoding."""
         build = METHOD_SPECS[self.method.name].build
         if build is None:
             return None
         return build(DrafterInputs(self.method, self.target.model, sampler, max_len,
                                    self.draft.model if self.draft is not None else None, self._draft_head,
-                                   self._draft_cost, kept, self._head, self._head_stats))
+                                   self._draft_cost, kept, target_kept, self._head, self._head_stats))
 
     def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kw: object) -> Done:
         for ev in self.stream(prompt, gen, **kw):
@@ -224,7 +225,7 @@ class Engine:
         # target and drafter sample through one Sampler: its penalties count the same context
         sampler = Sampler(gen.sampling, self.target.config.vocab_size, self.target.model.device)
         sampler.start(ids)
-        drafter = self._drafter(sampler, max_len, kept.draft)
+        drafter = self._drafter(sampler, max_len, kept.draft, kept.target)
         # speculative or plain rounds, whichever is measured faster (governor.py)
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(gen.sampling),
                             self._governor_memory)

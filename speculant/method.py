@@ -52,6 +52,9 @@ _SPEC_KEYS = {
 # options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
 _HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
               "heads": ("heads", "name", str), "governor": ("governor", "mode", str)}
+# options of the chain drafters loaded from a folder ('dflash:max_k=15,heads=PATH'): draft length and folder
+_DRAFTER_KEYS = {**{k: _SPEC_KEYS[k] for k in ("k", "schedule", "max_k", "governor")}, "heads": _HEAD_KEYS["heads"]}
+_KEYS = {"chain": _SPEC_KEYS, "heads": _HEAD_KEYS, "drafter": _DRAFTER_KEYS}  # by MethodSpec.options
 
 
 def method_name(spec: str) -> str:
@@ -66,7 +69,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     parts: dict[str, dict[str, object]] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, eq, value = item.partition("=")
-        keys = _HEAD_KEYS if METHOD_SPECS[cfg.name].options == "heads" else _SPEC_KEYS
+        keys = _KEYS[METHOD_SPECS[cfg.name].options]
         if not eq or key not in keys:
             raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(keys)}")
         group, field_name, cast = keys[key]

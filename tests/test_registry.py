@@ -61,3 +61,14 @@ def test_a_method_that_needs_a_draft_model_says_so_and_the_server_offers_only_wh
             Engine(target, None, MethodConfig(name))
     offered = offered_methods(Engine(target, None, MethodConfig("lookup")))
     assert offered == [n for n, s in METHOD_SPECS.items() if s.loads == ""]
+
+
+def test_a_spec_that_loads_heads_says_how():
+    from speculant.methods.base import MethodSpec
+
+    with pytest.raises(ValueError, match="method x"):
+        MethodSpec("x", "loads heads without a loader", build=None, loads="heads")
+    with pytest.raises(ValueError, match="method y"):
+        MethodSpec("y", "unknown option set", build=None, options="trees")
+    for name in HEAD_METHODS:
+        assert METHOD_SPECS[name].load is not None

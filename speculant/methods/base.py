@@ -102,6 +102,7 @@ class DrafterInputs:
     draft_head: QLinear | None = None  # its reduced-vocabulary output layer, None = its own
     draft_cost: float = 0.0  # a draft forward in target forwards (weight bytes)
     kept: KeptPrefix | None = None  # the draft model's prompt cache in a conversation
+    target_kept: KeptPrefix | None = None  # the target's (a drafter that reads the target's cache)
     head: Any = None  # the loaded heads or published drafter (head methods)
     head_stats: dict = field(default_factory=dict)  # what training measured of the heads (rank hit rates)
 
@@ -113,10 +114,16 @@ class MethodSpec:
     name: str
     summary: str  # one line for the CLI's help and the docs
     build: Callable[[DrafterInputs], Drafter] | None  # None: plain decoding
-    loads: str = ""  # "draft": a draft model (--draft); "heads": heads or a drafter on the target's hidden states
+    # "draft": a draft model (--draft); "heads": heads or a published drafter, loaded once per engine by `load`
+    loads: str = ""
     tree: bool = False  # verifies a tree of candidates per round
-    options: str = "chain"  # the 'name:key=value' keys it takes: "chain" or "heads" (method.py)
+    # the 'name:key=value' keys it takes (method.py): "chain" (draft length, lookup, draft model), "heads"
+    # (a tree head's nodes/depth/topk and folder), "drafter" (a chain drafter's draft length and folder)
+    options: str = "chain"
+    # (target LoadedModel, MethodConfig) -> (the loaded heads or drafter, what training measured of it)
+    load: Callable[[Any, Any], tuple[Any, dict]] | None = None
 
     def __post_init__(self) -> None:
-        if self.loads not in ("", "draft", "heads") or self.options not in ("chain", "heads"):
+        if (self.loads not in ("", "draft", "heads") or self.options not in ("chain", "heads", "drafter")
+                or (self.loads == "heads") != (self.load is not None)):
             raise ValueError(f"method {self.name}: loads {self.loads!r} / options {self.options!r} unknown")

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..heads.layer import attend, rope_tables_for
 from ..heads.modules import EagleHead
-from ..heads.runtime import HeadsConfig
+from ..heads.runtime import HeadsConfig, load_heads
 from ..models.cache import KVCache
 from ..models.transformer import Transformer
 from ..tree import DraftTree
@@ -165,7 +165,12 @@ def build(c: DrafterInputs) -> EagleDrafter:
     return EagleDrafter(c.head, c.target, c.method.heads, c.max_len)
 
 
+def load(target, method) -> tuple:
+    return load_heads(target, method.name, method.heads)
+
+
 EAGLE2 = MethodSpec("eagle2", "an EAGLE head on the target's last hidden state drafts a dynamic tree (--heads)",
-                    build=build, loads="heads", tree=True, options="heads")
+                    build=build, loads="heads", tree=True, options="heads", load=load)
 EAGLE3 = MethodSpec("eagle3", "an EAGLE-3 head on three of the target's layers drafts a dynamic tree (--heads, "
-                    "or a published drafter: --drafter)", build=build, loads="heads", tree=True, options="heads")
+                    "or a published drafter: --drafter)", build=build, loads="heads", tree=True, options="heads",
+                    load=load)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..heads.modules import MedusaHeads
-from ..heads.runtime import HeadsConfig
+from ..heads.runtime import HeadsConfig, load_heads
 from ..models.transformer import FINAL_HIDDEN
 from ..tree import DraftTree
 from .base import Drafter, MethodSpec
@@ -81,4 +81,4 @@ class MedusaDrafter(Drafter):
 
 SPEC = MethodSpec("medusa", "Medusa heads on the target's last hidden state, a static tree (--heads)",
                   build=lambda c: MedusaDrafter(c.head, c.method.heads, c.head_stats.get("val", {}).get("ranks")),
-                  loads="heads", tree=True, options="heads")
+                  loads="heads", tree=True, options="heads", load=lambda t, m: load_heads(t, m.name, m.heads))
