@@ -151,7 +151,7 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
     from .heads.runtime import HeadsConfig
 
-    head_methods = ("medusa", "eagle2", "eagle3")
+    head_methods = ("medusa", "eagle2", "eagle3", "dflash")
     if (args.heads or drafter) and method not in head_methods and not bench:
         flag = "--drafter" if drafter else "--heads"
         raise SpeculantError(f"{flag} is only used with --method {', '.join(head_methods)}, not {method}")

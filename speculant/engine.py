@@ -28,7 +28,8 @@ from .methods.draft_model import DraftModelDrafter, reduced_head
 from .methods.draft_tree import DraftTreeDrafter
 from .methods.hybrid import HYBRID_DRAFT_CONTEXT, HYBRID_MIN_NGRAM, HybridDrafter
 from .methods.lookup import LookupDrafter
-from .heads.runtime import heads_thread_invariant, load_heads
+from .heads.runtime import heads_thread_invariant, load_dflash_drafter, load_heads
+from .methods.dflash import DFlashDrafter
 from .methods.eagle import EagleDrafter
 from .methods.lookup_tree import LookupTreeDrafter
 from .methods.medusa import MedusaDrafter
@@ -103,7 +104,9 @@ class Engine:
         # what the governor learned in this engine's generations (one generation at a time per engine)
         self._governor_memory = GovernorMemory()
         self._head = None  # the draft head of a head method, loaded once per engine
-        if self.method.name in HEAD_METHODS:
+        if self.method.name == "dflash":
+            self._head = load_dflash_drafter(target, self.method.heads)
+        elif self.method.name in HEAD_METHODS:
             self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
         # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
         # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
@@ -180,6 +183,8 @@ class Engine:
             return LookupTreeDrafter(m.lookup_tree, m.lookup, self.target.model.device)
         if m.name == "medusa":
             return MedusaDrafter(self._head, m.heads, self._head_stats.get("val", {}).get("ranks"))
+        if m.name == "dflash":
+            return DFlashDrafter(self._head, self.target.model, sampler, max_len)
         if m.name in HEAD_METHODS:
             return EagleDrafter(self._head, self.target.model, m.heads, max_len)
         if m.name in MODEL_METHODS:

@@ -15,7 +15,8 @@ from .methods.hybrid import HybridConfig
 from .methods.lookup import LookupConfig
 from .methods.lookup_tree import LookupTreeConfig
 
-HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
+# drafters on the target's hidden states (speculant/heads): trained heads, published EAGLE-3 and DFlash drafters
+HEAD_METHODS = ("medusa", "eagle2", "eagle3", "dflash")
 METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
 MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
 
@@ -50,6 +51,8 @@ _SPEC_KEYS = {
 # options of the head methods ('eagle3:nodes=12,depth=6,topk=4,heads=NAME')
 _HEAD_KEYS = {"nodes": ("heads", "nodes", int), "depth": ("heads", "depth", int), "topk": ("heads", "topk", int),
               "heads": ("heads", "name", str), "governor": ("governor", "mode", str)}
+# DFlash drafts a chain: the draft-length options, and its folder ('dflash:heads=PATH,max_k=15')
+_DFLASH_KEYS = {**{k: _SPEC_KEYS[k] for k in ("k", "schedule", "max_k", "governor")}, "heads": _HEAD_KEYS["heads"]}
 
 
 def method_name(spec: str) -> str:
@@ -64,7 +67,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
     parts: dict[str, dict[str, object]] = {}
     for item in filter(None, (o.strip() for o in opts.split(","))):
         key, eq, value = item.partition("=")
-        keys = _HEAD_KEYS if cfg.name in HEAD_METHODS else _SPEC_KEYS
+        keys = _DFLASH_KEYS if cfg.name == "dflash" else _HEAD_KEYS if cfg.name in HEAD_METHODS else _SPEC_KEYS
         if not eq or key not in keys:
             raise SpeculantError(f"bad method option {item!r} in {spec!r}; use key=value with keys {', '.join(keys)}")
         group, field_name, cast = keys[key]
@@ -79,7 +82,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
 
 
 def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
-    """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 drafter, or any head
+    """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 or DFlash drafter, or any head
     folder; or llama.cpp's EAGLE-3 drafter GGUF file): its method read from its config (`--drafter PATH` on the command line). Use it as
     `Engine(load_model(...), method=drafter_method(PATH))`."""
     from pathlib import Path
@@ -89,7 +92,7 @@ def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
 
     where = Path(path).expanduser()
     if not (where / "config.json").is_file() and not is_gguf(where):
-        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder, or llama.cpp's "
-                             "EAGLE-3 drafter .gguf file)")
+        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder: EAGLE-3, DFlash; or "
+                             "llama.cpp's EAGLE-3 drafter .gguf file)")
     base = base or MethodConfig()
     return replace(base, name=head_method(where), heads=replace(base.heads, name=str(path)))
