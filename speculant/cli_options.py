@@ -20,13 +20,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
     p.add_argument("--draft", "-d", default=None,
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
-    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", "medusa", "eagle2", "eagle3"),
+    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", "medusa", "eagle2", "eagle3",
+                                         "dflash"),
                    default=None,
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
                         "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model), "
                         "lookup_tree, medusa / eagle2 / eagle3 (draft heads on the target's hidden states, trained by "
-                        "`speculant train-heads`); default: hybrid if --draft is given, else lookup (exact like "
-                        "every method, and needs no second model)")
+                        "`speculant train-heads`), dflash (a DFlash block drafter: --drafter); default: hybrid if --draft "
+                        "is given, else lookup (exact like every method, and needs no second model)")
     p.add_argument("--heads", default=None,
                    help="draft heads for --method medusa/eagle2/eagle3: a name in SPECULANT_HOME/heads or a folder "
                         "(default: MODEL-METHOD); speculant, Medusa and EAGLE/EAGLE-3 layouts (safetensors, or "
@@ -34,7 +35,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, metavar="PATH",
                    help="a published drafter folder (EAGLE-3 in the EAGLE / AngelSlim, SpecForge or speculators "
                         "layout: config.json + model.safetensors or pytorch_model.bin; or llama.cpp's EAGLE-3 drafter .gguf "
-                        "file), or any folder --heads takes; picks --method from its config (eagle3) unless --method is given")
+                        "file; a DFlash drafter in z-lab's layout), or any folder --heads takes; picks --method from its "
+                        "config (eagle3, dflash) unless --method is given")
     p.add_argument("--tree-nodes", type=int, default=None, help="head methods: tree nodes the target checks per round (default 4)")
     p.add_argument("--tree-depth", type=int, default=None, help="eagle2/eagle3: draft steps per round (default 4)")
     p.add_argument("--tree-topk", type=int, default=None, help="eagle2/eagle3: children per expanded node (default 2)")

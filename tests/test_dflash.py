@@ -160,7 +160,7 @@ def qwen3_v4(tmp_path_factory):
 def test_greedy_rounds_match_the_reference_loop(qwen3_v4, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder = write_dflash(tmp_path / "d", vocab=V, seed=5, scale=3.0)
+    folder = write_dflash(tmp_path / "d", vocab=V, seed=4)  # its drafts mostly the target's likeliest token
     target = load_model(str(qwen3_v4), "float32")
     prompt, n = [0, 1, 2, 3, 0, 1, 2, 0, 1], 40
     method = parse_method(f"dflash:k={BLOCK - 1},schedule=fixed,heads={folder}")
