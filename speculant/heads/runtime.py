@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import SpeculantError
 from ..methods.base import MAX_DRAFT_TOKENS
 from .dflash import DFlashModel, is_dflash, load_dflash
+from .dflash_gguf import read_dflash_gguf
 from .formats import _read_config, _read_tensors, load_head
 from .gguf_drafter import is_gguf
 from .layer import inference_format, quantize_linears
@@ -68,14 +69,15 @@ def _format(target, cfg: HeadsConfig) -> str:
 def load_dflash_drafter(target, cfg: HeadsConfig) -> DFlashModel:
     """The DFlash drafter of `--drafter cfg.name` for `target` (a LoadedModel), its linears in the heads' format."""
     folder = resolve_heads(cfg.name, target.name, "dflash")
-    if is_gguf(folder):
-        raise SpeculantError(f"{folder}: DFlash drafters are read from z-lab's folder layout (config.json with "
-                             "dflash_config + safetensors); llama.cpp's DFlash GGUF is not supported yet")
-    raw = _read_config(folder)
-    if not is_dflash(raw):
-        raise SpeculantError(f"{folder} is not a DFlash drafter (its config.json has no dflash_config); "
-                             "use --method eagle3 or the method its config names")
-    model = load_dflash(folder, target.config, raw, _read_tensors(folder))
+    if is_gguf(folder):  # llama.cpp's DFlash drafter GGUF
+        raw, tensors = read_dflash_gguf(folder)
+    else:
+        raw = _read_config(folder)
+        if not is_dflash(raw):
+            raise SpeculantError(f"{folder} is not a DFlash drafter (its config.json has no dflash_config); "
+                                 "use --method eagle3 or the method its config names")
+        tensors = _read_tensors(folder)
+    model = load_dflash(folder, target.config, raw, tensors)
     fmt = _format(target, cfg)
     if fmt != "float32":
         quantize_linears(model, fmt)
