@@ -85,14 +85,15 @@ def dflash_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
     if not (isinstance(block, int) and 2 <= block <= 1024):
         raise SpeculantError(f"{src}: dflash_config.block_size must be an integer in 2..1024, got {block!r}")
     if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-        raise SpeculantError(f"{src}: dflash_config.target_layer_ids must be a non-empty list of layer ids, got {ids!r}")
+        raise SpeculantError(f"{src}: dflash_config.target_layer_ids must be a non-empty list of layer ids, "
+                             f"got {ids!r}")
     n = target_cfg.n_layers
     if any(not 0 <= i < n for i in ids):
-        raise SpeculantError(f"{folder}: the drafter reads target layers {ids}, the target has {n} layers (0..{n - 1}): "
-                             "it was made for another target")
+        raise SpeculantError(f"{folder}: the drafter reads target layers {ids}, the target has {n} layers "
+                             f"(0..{n - 1}): it was made for another target")
     if not (isinstance(mask, int) and 0 <= mask < target_cfg.vocab_size):
-        raise SpeculantError(f"{folder}: mask_token_id {mask!r} is not a token id of the target (0..{target_cfg.vocab_size - 1}): "
-                             "it was made for another target")
+        raise SpeculantError(f"{folder}: mask_token_id {mask!r} is not a token id of the target "
+                             f"(0..{target_cfg.vocab_size - 1}): it was made for another target")
     D = target_cfg.dim
     if layer.dim != D:
         raise SpeculantError(f"{folder}: the drafter's hidden_size is {layer.dim}, the target's hidden size is {D}: it "
@@ -111,10 +112,6 @@ def dflash_config(raw: dict, tensors: dict[str, Tensor], target_cfg, folder: Pat
                         softcap=float(dc["final_logit_softcapping"]) if dc.get("final_logit_softcapping") else None)
 
 
-def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=bias)
-
-
 class DFlashLayer(nn.Module):
     """One Qwen3 decoder layer whose keys/values also cover the projected context (the module docstring)."""
 
@@ -122,12 +119,12 @@ class DFlashLayer(nn.Module):
         super().__init__()
         D, H, Hkv, hd = c.hidden, c.n_heads, c.n_kv_heads, c.head_dim
         self.H, self.Hkv, self.hd, self.eps = H, Hkv, hd, c.norm_eps
-        self.q_proj, self.k_proj = _linear(D, H * hd, c.attention_bias), _linear(D, Hkv * hd, c.attention_bias)
-        self.v_proj, self.o_proj = _linear(D, Hkv * hd, c.attention_bias), _linear(H * hd, D, c.attention_bias)
+        self.q_proj, self.k_proj = nn.Linear(D, H * hd, c.attention_bias), nn.Linear(D, Hkv * hd, c.attention_bias)
+        self.v_proj, self.o_proj = nn.Linear(D, Hkv * hd, c.attention_bias), nn.Linear(H * hd, D, c.attention_bias)
         self.q_norm, self.k_norm = nn.Parameter(torch.ones(hd)), nn.Parameter(torch.ones(hd))
         self.input_layernorm, self.post_attention_layernorm = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
-        self.gate_proj, self.up_proj = _linear(D, c.intermediate, False), _linear(D, c.intermediate, False)
-        self.down_proj = _linear(c.intermediate, D, False)
+        self.gate_proj, self.up_proj = nn.Linear(D, c.intermediate, False), nn.Linear(D, c.intermediate, False)
+        self.down_proj = nn.Linear(c.intermediate, D, False)
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """x [S, D] -> rotated keys and values [Hkv, S, hd]."""
@@ -155,7 +152,7 @@ class DFlashModel(nn.Module):
         self.cfg = cfg
         D = cfg.hidden
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.n_layers))
-        self.fc = _linear(len(cfg.layer_ids) * D, D, False)
+        self.fc = nn.Linear(len(cfg.layer_ids) * D, D, False)
         self.hidden_norm, self.norm = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
 
     def add_context(self, feats: Tensor, cache: KVCache, cos: Tensor, sin: Tensor) -> None:
@@ -194,6 +191,7 @@ def load_dflash(folder: Path, target_cfg, raw: dict, tensors: dict[str, Tensor])
                              f"{missing[:4]}, unexpected {unexpected[:4]})")
     for k, v in own.items():
         if tuple(mapped[k].shape) != tuple(v.shape):
-            raise SpeculantError(f"{folder}: tensor {k} has shape {tuple(mapped[k].shape)}, the config says {tuple(v.shape)}")
+            raise SpeculantError(f"{folder}: tensor {k} has shape {tuple(mapped[k].shape)}, the config says "
+                                 f"{tuple(v.shape)}")
     model.load_state_dict({k: mapped[k].float() for k in own})
     return model.eval().requires_grad_(False)
