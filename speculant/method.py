@@ -84,7 +84,7 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
 
 
 def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
-    """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 drafter, or any head
+    """The MethodConfig that runs the drafter in folder `path` (a published EAGLE-3 or DFlash drafter, or any head
     folder; or llama.cpp's EAGLE-3 drafter GGUF file): its method read from its config (`--drafter PATH` on the command line). Use it as
     `Engine(load_model(...), method=drafter_method(PATH))`."""
     from pathlib import Path
@@ -94,7 +94,7 @@ def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
 
     where = Path(path).expanduser()
     if not (where / "config.json").is_file() and not is_gguf(where):
-        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder, or llama.cpp's "
-                             "EAGLE-3 drafter .gguf file)")
+        raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder: EAGLE-3, DFlash; or "
+                             "llama.cpp's EAGLE-3 or DFlash drafter .gguf file)")
     base = base or MethodConfig()
     return replace(base, name=head_method(where), heads=replace(base.heads, name=str(path)))

@@ -163,11 +163,12 @@ class _Round(NamedTuple):
     candidates: list[dict[int, float]]  # llama.cpp only: its top candidates (id -> probability) at each depth
 
 
-def _llama_speculative(bin_dir: Path, target: Path, drafter: Path, prompt: str) -> tuple[str, list[_Round], int, int]:
-    """(printed text, its rounds, n_drafted, n_accept) of one greedy llama-speculative-simple run with chains of K
+def _llama_speculative(bin_dir: Path, target: Path, drafter: Path, prompt: str, spec_type: str = "draft-eagle3",
+                       k: int = K) -> tuple[str, list[_Round], int, int]:
+    """(printed text, its rounds, n_drafted, n_accept) of one greedy llama-speculative-simple run with chains of k
     drafts: -v prints each draft step's top candidates and each round's accepted count. Every KV cache f32."""
-    args = [bin_dir / "llama-speculative-simple", "-m", target, "-md", drafter, "--spec-type", "draft-eagle3",
-            "--spec-draft-n-max", K, "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt,
+    args = [bin_dir / "llama-speculative-simple", "-m", target, "-md", drafter, "--spec-type", spec_type,
+            "--spec-draft-n-max", k, "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt,
             "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
     # -v prints token pieces byte by byte: a multi-byte character may be split across lines
     done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
 from .config import HeadConfig
+from .dflash import is_dflash
 from .gguf_drafter import gguf_method, is_gguf, read_gguf_drafter, with_rope_freqs
 from .modules import EagleHead, MedusaHeads, build_head
 from .published import eagle3_config, is_eagle3, layer_prefix, strip_wrapper, vocab_map
@@ -93,7 +94,7 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
 
 
 def head_method(folder: Path) -> str:
-    """The method a head folder drafts for (medusa, eagle2, eagle3), from its config and tensor names
+    """The method a head folder drafts for (medusa, eagle2, eagle3, dflash), from its config and tensor names
     (no weights read where they are safetensors)."""
     folder = Path(folder)
     if is_gguf(folder):
@@ -103,6 +104,8 @@ def head_method(folder: Path) -> str:
         return HeadConfig.from_dict(raw["speculant_head"]).method
     if "medusa_num_heads" in raw:
         return "medusa"
+    if is_dflash(raw):
+        return "dflash"
     names = _read_tensors(folder, load=False)
     if raw.get("speculators_model_type") == "eagle3" or is_eagle3(raw, strip_wrapper(names)):
         return "eagle3"

@@ -46,17 +46,20 @@ def is_gguf(path: Path) -> bool:
 
 
 def gguf_method(path: Path) -> str:
-    """`eagle3` for an EAGLE-3 drafter GGUF, else a clear error (the metadata is read, not the weights)."""
+    """`eagle3` or `dflash` for a drafter GGUF (llama.cpp's converter's architectures), else a clear error (the
+    metadata is read, not the weights)."""
     arch = GGUFFile(path).fields.get("general.architecture")
-    if arch != _ARCH:
-        raise SpeculantError(f"{path}: a GGUF file of architecture {arch!r}; a drafter GGUF is an EAGLE-3 drafter "
-                             "converted by llama.cpp (architecture 'eagle3'). A whole model drafts with --draft-model")
-    return _ARCH
+    if arch not in (_ARCH, "dflash"):
+        raise SpeculantError(f"{path}: a GGUF file of architecture {arch!r}; a drafter GGUF is an EAGLE-3 or DFlash "
+                             "drafter converted by llama.cpp (architecture 'eagle3' or 'dflash'). A whole model drafts "
+                             "with --draft-model")
+    return arch
 
 
 def read_gguf_drafter(path: Path) -> tuple[dict, dict[str, Tensor]]:
     """(config, tensors) of an EAGLE-3 drafter GGUF in the EAGLE repo's layout (see the table above)."""
-    gguf_method(path)
+    if gguf_method(path) != _ARCH:
+        raise SpeculantError(f"{path}: a DFlash drafter; run it with --method dflash")
     f = GGUFFile(path)
     meta = {k.removeprefix(f"{_ARCH}."): v for k, v in f.fields.items() if k.startswith(f"{_ARCH}.")}
     need = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "target_layers",

@@ -13,8 +13,11 @@ from torch import nn
 
 from ..errors import SpeculantError
 from ..methods.base import MAX_DRAFT_TOKENS
-from .formats import load_head
-from .layer import inference_format
+from .dflash import DFlashModel, is_dflash, load_dflash
+from .dflash_gguf import read_dflash_gguf
+from .formats import _read_config, _read_tensors, load_head
+from .gguf_drafter import is_gguf
+from .layer import inference_format, quantize_linears
 from ..models.formats import QLinear
 from .modules import EagleHead, MedusaHeads, for_inference, init_from_target
 from .store import resolve_heads
@@ -49,14 +52,36 @@ def load_heads(target, method: str, cfg: HeadsConfig) -> tuple[MedusaHeads | Eag
     head, stats = load_head(folder, target.config)
     if head.cfg.method != method:
         raise SpeculantError(f"{folder} holds {head.cfg.method} heads, not {method}; use --method {head.cfg.method}")
+    if isinstance(head, EagleHead) and not head.cfg.own_lm_head:
+        init_from_target(head, target.model)
+    return for_inference(head, _format(target, cfg)).to(target.model.device), stats
+
+
+def _format(target, cfg: HeadsConfig) -> str:
     device = target.model.device
     fmt = cfg.fmt or (inference_format() if device.type == "cpu" else "float32")
     if device.type != "cpu" and fmt != "float32":
         raise SpeculantError(f"heads in {fmt} run on the CPU only (their kernels are C); the target is on {device}: "
                              "use float32 heads there")
-    if isinstance(head, EagleHead) and not head.cfg.own_lm_head:
-        init_from_target(head, target.model)
-    return for_inference(head, fmt).to(device), stats
+    return fmt
+
+
+def load_dflash_drafter(target, cfg: HeadsConfig) -> DFlashModel:
+    """The DFlash drafter of `--drafter cfg.name` for `target` (a LoadedModel), its linears in the heads' format."""
+    folder = resolve_heads(cfg.name, target.name, "dflash")
+    if is_gguf(folder):  # llama.cpp's DFlash drafter GGUF
+        raw, tensors = read_dflash_gguf(folder)
+    else:
+        raw = _read_config(folder)
+        if not is_dflash(raw):
+            raise SpeculantError(f"{folder} is not a DFlash drafter (its config.json has no dflash_config); "
+                                 "use --method eagle3 or the method its config names")
+        tensors = _read_tensors(folder)
+    model = load_dflash(folder, target.config, raw, tensors)
+    fmt = _format(target, cfg)
+    if fmt != "float32":
+        quantize_linears(model, fmt)
+    return model.to(target.model.device)
 
 
 def heads_thread_invariant(head: nn.Module) -> bool:
