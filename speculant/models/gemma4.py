@@ -63,7 +63,9 @@ class Gemma4Block(nn.Module):
         h = self.down(geglu(self.gate_up(rms_norm(x, self.ffn_norm, self.eps)), self.hidden))
         x = x + rms_norm(h, self.post_ffn_norm, self.eps)
         if ple is not None:
-            h = F.gelu(self.ple_gate(x), approximate="tanh") * ple
+            # gelu(gate) * ple through geglu's row kernel: torch's vectorized gelu rounds a tensor's tail
+            # differently, so a row's bits would depend on the rows beside it
+            h = geglu(torch.cat([self.ple_gate(x), ple], 1), ple.shape[1])
             x = x + rms_norm(self.ple_proj(h), self.ple_norm, self.eps)
         return x * self.scalar
 

@@ -114,7 +114,15 @@ def load_gemma4(path: Path, fmt: str) -> Gemma4Model:
     g = src.config
 
     def lin(*names: str) -> Tensor:
-        return make_linear(torch.cat([src.get(n) for n in names]), None, fmt)
+        w = torch.cat([src.get(n) for n in names])
+        try:
+            return make_linear(w, None, fmt)
+        except SpeculantError:
+            if not names[0].endswith("ple_proj"):
+                raise
+            # the per-layer projection's rows are P values (256 in the published models); a P that is not whole
+            # blocks keeps this small matrix in float32, batch-invariant too (FloatLinear)
+            return make_linear(w, None, "float32")
 
     blocks = []
     for i in range(g.n_layers):
