@@ -23,6 +23,7 @@ import torch
 from .errors import SpeculantError
 from .governor import Governor, GovernorMemory
 from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
+from .methods.assistant import AssistantDrafter, load_assistant
 from .methods.base import MAX_DRAFT_TOKENS, DraftLength, Drafter
 from .methods.draft_model import DraftModelDrafter, reduced_head
 from .methods.draft_tree import DraftTreeDrafter
@@ -105,6 +106,7 @@ class Engine:
         self._head = None  # the draft head of a head method, loaded once per engine
         if self.method.name in HEAD_METHODS:
             self._head, self._head_stats = load_heads(target, self.method.name, self.method.heads)
+        self._assistant = load_assistant(target, self.method) if self.method.name == "assistant" else None
         # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
         # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
         adapt = (not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
@@ -172,8 +174,11 @@ class Engine:
             raise SpeculantError(f"prompt token id {bad} is not a token: the tokenizer has {known} (0..{known - 1}); "
                                  f"ids {known}..{rows - 1} are unused padding rows of the embedding")
 
-    def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None) -> Drafter | None:
+    def _drafter(self, sampler: Sampler, max_len: int, kept: KeptPrefix | None,
+                 target_kept: KeptPrefix | None = None) -> Drafter | None:
         m = self.method
+        if m.name == "assistant":  # it reads the target's keys/values in the target's cache
+            return AssistantDrafter(self._assistant, self.target.model, sampler, target_kept)
         if m.name == "lookup":
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name == "lookup_tree":
@@ -220,7 +225,7 @@ class Engine:
         # target and drafter sample through one Sampler: its penalties count the same context
         sampler = Sampler(sampling, self.target.config.vocab_size, device)
         sampler.start(ids)
-        drafter = self._drafter(sampler, max_len, kept.draft)
+        drafter = self._drafter(sampler, max_len, kept.draft, kept.target)
         # speculative or plain rounds, whichever is measured faster (governor.py)
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(sampling),
                             self._governor_memory)

@@ -16,7 +16,8 @@ from .methods.lookup import LookupConfig
 from .methods.lookup_tree import LookupTreeConfig
 
 HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
-METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
+# assistant: Gemma 4's assistant drafter (--drafter FOLDER; methods/assistant.py)
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS, "assistant")
 MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
 
 
@@ -91,5 +92,9 @@ def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
     if not (where / "config.json").is_file() and not is_gguf(where):
         raise SpeculantError(f"drafter {path}: no config.json there (give the drafter's folder, or llama.cpp's "
                              "EAGLE-3 drafter .gguf file)")
+    from .heads.assistant import is_assistant
+
     base = base or MethodConfig()
+    if is_assistant(where):
+        return replace(base, name="assistant", heads=replace(base.heads, name=str(where)))
     return replace(base, name=head_method(where), heads=replace(base.heads, name=str(path)))

@@ -47,3 +47,33 @@ def save_gemma4(folder: Path, name: str, **extra) -> Path:
                 b.copy_(torch.rand_like(b) + 0.5)
     model.save_pretrained(folder)
     return folder
+
+
+def save_assistant(folder: Path, ordered: bool = True) -> Path:
+    """A tiny Gemma4AssistantForCausalLM for the "ple"/"keqv" targets (width 64, heads of 16 and 32 values, 2 key
+    heads in sliding layers): its layers read the target's keys/values; `ordered`: the clustered output layer (16
+    clusters of 8 tokens, top 4 searched) with a random token ordering (transformers initializes it to zeros)."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    text = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8, max_position_embeddings=256,
+                rms_norm_eps=1e-6, layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                rope_parameters=_BASE["rope_parameters"], model_type="gemma4_text")
+    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=ordered,
+                                num_centroids=16, centroid_intermediate_top_k=4)
+    torch.manual_seed(1)
+    model = Gemma4AssistantForCausalLM(cfg).float()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.copy_(torch.randn_like(p) * 0.3 + 1.0)
+        for key, b in model.named_buffers():
+            if key.endswith("layer_scalar"):
+                b.copy_(torch.rand_like(b) + 0.5)
+            if key.endswith("token_ordering"):
+                b.copy_(torch.randperm(VOCAB))
+    model.save_pretrained(folder)
+    return folder
