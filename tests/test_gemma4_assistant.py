@@ -76,8 +76,8 @@ def test_assistant_is_greedy_identical_to_ar(root, name):
     lm = LoadedModel(name, tf, load_gemma4(tf, "float32"), tiny_tokenizer(VOCAB), "float32")
     ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     gen = GenerationConfig(max_new_tokens=40)
-    want = Engine(lm).generate(ids, gen).token_ids
-    done = Engine(lm, method=method(af)).generate(ids, gen)
+    want = Engine(lm, threads=1).generate(ids, gen).token_ids
+    done = Engine(lm, method=method(af), threads=1).generate(ids, gen)
     assert done.token_ids == want
     assert done.stats.method == "assistant" and done.stats.drafted_tokens > done.stats.accepted_tokens
 
@@ -103,7 +103,7 @@ CHECKED, JOINT, GENERATED = 2, 2, 6
 def _runs(root, runs: int):
     tf, af = save_gemma4(root / "ple", "ple"), save_assistant(root / "assistant1")
     lm = LoadedModel("ple", tf, load_gemma4(tf, "q8_0"), tiny_tokenizer(VOCAB), "q8_0")
-    e = Engine(lm, method=method(af, k=3))
+    e = Engine(lm, method=method(af, k=3), threads=1)  # one thread: a tiny model's passes are all overhead
     r = sample_runs(lambda i: e, PROMPT, SAMPLING, CHECKED, VOCAB, runs, generate=GENERATED, joint=JOINT)
     levels = exact_paths(lm, PROMPT, SAMPLING, CHECKED)
     marginals = torch.stack([sum(w * p for _, w, p in level) for level in levels])
