@@ -82,7 +82,7 @@ def test_greedy_matches_transformers(folders, name):
     tiny_tokenizer(VOCAB)._backend.save(str(folder / "tokenizer.json"))  # noqa: SLF001 - a folder load_model reads
     lm = load_model(str(folder), "float32", progress=False, use_cache=False)  # through load_model's Gemma 4 hook
     assert type(lm.model).__name__ == "Gemma4Model"
-    assert Engine(lm).generate(ids, GenerationConfig(max_new_tokens=24)).token_ids == want
+    assert Engine(lm, threads=1).generate(ids, GenerationConfig(max_new_tokens=24)).token_ids == want
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,11 +118,11 @@ def test_speculative_methods_are_greedy_identical_to_ar(folders, name, fmt, kv):
     ids = prompt(12, seed=3) * 2  # a repeat, so lookup finds drafts
     gen = GenerationConfig(max_new_tokens=40)
     cfg = DraftLengthConfig(k=4, schedule="fixed")
-    want = Engine(lm).generate(ids, gen).token_ids
+    want = Engine(lm, threads=1).generate(ids, gen).token_ids  # one thread: a tiny model's passes are overhead
     assert len(want) == 40
     for method in ("lookup", "draft", "draft_tree"):
         draft = lm if method != "lookup" else None
-        got = Engine(lm, draft, MethodConfig(method, cfg)).generate(ids, gen).token_ids
+        got = Engine(lm, draft, MethodConfig(method, cfg), threads=1).generate(ids, gen).token_ids
         assert got == want, method
 
 
@@ -140,3 +140,26 @@ def test_what_is_not_run_is_refused(folders, tmp_path, edit, needle):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpeculantError, match=needle):
         load_gemma4(bad, "float32")
+
+
+def test_published_config_layout():
+    """Gemma 4 E2B's config.json as Google publishes it (global_head_dim, no per_layer_config): the KV-shared
+    layers read the last earlier sliding (13) and global (14) layers, their MLPs are double-wide, a quarter of a
+    global head's frequencies turn; a last layer marked sliding is global, as transformers makes it."""
+    from speculant.models.gemma4_config import gemma4_config
+
+    types = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    text = dict(model_type="gemma4_text", vocab_size=262144, hidden_size=1536, intermediate_size=6144,
+                num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+                sliding_window=512, layer_types=types, num_kv_shared_layers=20, hidden_size_per_layer_input=256,
+                vocab_size_per_layer_input=262144, use_double_wide_mlp=True, final_logit_softcapping=30.0,
+                rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    g = gemma4_config({"model_type": "gemma4", "text_config": text})
+    assert g.kv_source[:15] == tuple(range(15)) and set(g.kv_source[15:]) == {13, 14}
+    assert g.kv_source[19] == 14 and g.kv_source[15] == 13 and len(g.kv_slots()) == 15
+    assert g.head_dims[:5] == (256,) * 4 + (512,) and g.mlp_hidden[14:16] == (6144, 12288)
+    assert sum(f > 0 for f in g.inv_freq(False)) == 64 and len(g.inv_freq(False)) == 256
+    g = gemma4_config(text | {"layer_types": types[:-1] + ["sliding_attention"], "num_kv_shared_layers": 0})
+    assert not g.base.is_local(34) and g.head_dims[34] == 512

@@ -103,7 +103,8 @@ def gemma4_config(raw: dict[str, Any], source: str = "config.json") -> Gemma4Con
                                                              for t in types):
         raise SpeculantError(f"{source}: layer_types must list sliding_attention/full_attention for each of the "
                              f"{n} layers")
-    local = tuple(t == "sliding_attention" for t in types)
+    # transformers makes the last layer global whatever the config says (with a warning); so does this
+    local = tuple(t == "sliding_attention" for t in types[:-1]) + (False,)
     k_eq_v_cfg = bool(c.get("attention_k_eq_v", False))
     per_layer = c.get("per_layer_config") or {}
     if not isinstance(per_layer, dict):
