@@ -140,10 +140,15 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError("give --drafter or --heads, not both (they name the same thing: the drafter's folder)")
     bench = getattr(args, "command", None) == "bench"
     if drafter and not args.method:
+        from pathlib import Path
+
+        from .heads.assistant import is_assistant
         from .heads.formats import head_method
         from .heads.store import resolve_heads
 
-        args.method = head_method(resolve_heads(drafter, args.model, "eagle3"))
+        # Gemma 4's assistant (a folder of its own kind: heads/assistant.py), else a head's folder
+        is_asst = is_assistant(Path(drafter).expanduser())
+        args.method = "assistant" if is_asst else head_method(resolve_heads(drafter, args.model, "eagle3"))
     method = args.method or ("hybrid" if args.draft else "lookup")
     if method in MODEL_METHODS and not args.draft:
         raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
@@ -151,7 +156,7 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
     from .heads.runtime import HeadsConfig
 
-    head_methods = ("medusa", "eagle2", "eagle3")
+    head_methods = ("medusa", "eagle2", "eagle3", "assistant")  # the methods --drafter / --heads name the folder of
     if (args.heads or drafter) and method not in head_methods and not bench:
         flag = "--drafter" if drafter else "--heads"
         raise SpeculantError(f"{flag} is only used with --method {', '.join(head_methods)}, not {method}")
