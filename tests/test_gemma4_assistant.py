@@ -121,3 +121,18 @@ def test_assistant_sampling_check_rejects_a_biased_acceptance(root, monkeypatch)
     biased_acceptance(monkeypatch)
     _, marginal, _ = _runs(root, 150)
     assert min(marginal) < 1e-6, marginal
+
+
+def test_cli_drafter_runs_the_assistant(root, capsys):
+    from speculant.cli import main
+
+    tf, af = save_gemma4(root / "ple", "ple"), save_assistant(root / "assistant1")
+    tiny_tokenizer(VOCAB)._backend.save(str(tf / "tokenizer.json"))  # noqa: SLF001 - a folder the CLI loads
+    outs = []
+    for extra in (["--method", "ar"], ["--drafter", str(af), "--stats"]):
+        rc = main(["generate", "--model", str(tf), "--dtype", "float32", "--threads", "1", "-n", "16", *extra,
+                   "t5 t17 t99 t3 t64 t5 t17 t99"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        outs.append((out, err))
+    assert outs[1][0] == outs[0][0] and '"method": "assistant"' in outs[1][1]  # the stats go to stderr
