@@ -27,7 +27,6 @@ from ..models.formats import make_linear
 from ..models.gemma4 import Gemma4Block, Gemma4Model
 from ..models.gemma4_config import gemma4_config
 from ..models.load_hf import _open, _weight_files
-from ..models.rotary import tables
 from ..models.transformer import rms_norm
 
 _LAYER = {"attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
@@ -114,7 +113,9 @@ class Assistant(nn.Module):
             if c.vocab_size % n or order.shape != (c.vocab_size,):
                 raise SpeculantError(f"{src}: token_ordering must list the {c.vocab_size} tokens in {n} equal clusters")
             self.clusters = order.view(n, c.vocab_size // n)
-        self.tables = {loc: tables(g.inv_freq(loc), c.context_length) for loc in (True, False)}
+        # the rotary of the one position a round queries, computed per step as rotary.tables computes a row (the
+        # same float32 products) rather than tables as long as the target's context
+        self.inv_freq = {loc: torch.tensor(g.inv_freq(loc), dtype=torch.float32) for loc in (True, False)}
         self.embed_scale = target.cfg.embed_scale
 
     def step(self, cache, committed: int, position: int, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,11 +123,14 @@ class Assistant(nn.Module):
         The query sits at `position`; it attends to the target's `committed` cache slots."""
         y = self.pre(torch.cat([x, h], -1))
         near = slice(max(0, committed - self.window - 1), committed)
+        rope = {}
+        for local, inv in self.inv_freq.items():
+            freqs = torch.outer(torch.tensor([float(position)]), inv)  # [1, hd/2]
+            rope[local] = freqs.cos(), freqs.sin()
         for i, blk in enumerate(self.blocks):
             local = blk.window is not None
-            cos, sin = self.tables[local]
-            y = blk(y, None, cache, self.source[i], committed - 1, cos[position:position + 1],
-                    sin[position:position + 1], None, True, [near if local else slice(0, committed)])
+            y = blk(y, None, cache, self.source[i], committed - 1, *rope[local], None, True,
+                    [near if local else slice(0, committed)])
         y = rms_norm(y, self.norm, self.g.base.norm_eps)
         return self.logits(y), self.post(y)
 
