@@ -122,7 +122,7 @@ def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
     from .engine import Engine
     from .governor import GovernorConfig
-    from .method import MODEL_METHODS, MethodConfig
+    from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
     from .methods.hybrid import HybridConfig
@@ -149,10 +149,9 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
     from .heads.runtime import HeadsConfig
 
-    head_methods = ("medusa", "eagle2", "eagle3")
-    if (args.heads or drafter) and method not in head_methods and not bench:
+    if (args.heads or drafter) and method not in HEAD_METHODS and not bench:  # the methods that load a folder
         flag = "--drafter" if drafter else "--heads"
-        raise SpeculantError(f"{flag} is only used with --method {', '.join(head_methods)}, not {method}")
+        raise SpeculantError(f"{flag} is only used with --method {', '.join(HEAD_METHODS)}, not {method}")
     hc = HeadsConfig()
     heads = HeadsConfig(args.heads or drafter, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
     dl, dm, lk = DraftLengthConfig(), DraftModelConfig(), LookupConfig()

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from .assistant import is_assistant
 from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
 from .config import HeadConfig
@@ -94,11 +95,13 @@ def load_head(folder: Path, target_cfg) -> tuple[MedusaHeads | EagleHead, dict]:
 
 
 def head_method(folder: Path) -> str:
-    """The method a head folder drafts for (medusa, eagle2, eagle3, dflash), from its config and tensor names
-    (no weights read where they are safetensors)."""
+    """The method a head folder drafts for (medusa, eagle2, eagle3, dflash, assistant), from its config and tensor
+    names (no weights read where they are safetensors)."""
     folder = Path(folder)
     if is_gguf(folder):
         return gguf_method(folder)
+    if is_assistant(folder):  # Gemma 4's assistant (heads/assistant.py)
+        return "assistant"
     raw = _read_config(folder)
     if "speculant_head" in raw:
         return HeadConfig.from_dict(raw["speculant_head"]).method

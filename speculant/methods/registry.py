@@ -8,7 +8,7 @@ order users see.
 
 from __future__ import annotations
 
-from . import dflash, draft_model, draft_tree, eagle, hybrid, lookup, lookup_tree, medusa
+from . import assistant, dflash, draft_model, draft_tree, eagle, hybrid, lookup, lookup_tree, medusa
 from .base import MethodSpec
 
 AR = MethodSpec("ar", "plain decoding: one target step per token (the baseline)", build=None)
@@ -24,4 +24,5 @@ METHOD_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     eagle.EAGLE2,
     eagle.EAGLE3,
     dflash.SPEC,
+    assistant.SPEC,
 )}

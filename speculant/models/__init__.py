@@ -127,6 +127,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     cache.default_kv_dtype of the weight format, f16 but for float32 weights)."""
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
+    from .gemma4_load import is_gemma4_folder, load_gemma4
     from .load_hf import HFSource
 
     if kv_dtype is not None:
@@ -145,8 +146,9 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
         if why is not None:  # one line, not a silent slowdown
             logging.getLogger("speculant").warning(
                 f"speculant: {why}; {path.name} runs in float32 instead of its block formats (slower, more memory)")
+    gemma4 = is_gemma4_folder(path)  # its own model class (models/gemma4.py)
     if path.is_dir():
-        src = HFSource(path)
+        src = None if gemma4 else HFSource(path)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
         src = GGUFSource(path)
@@ -155,8 +157,11 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
             dtype = draft_dtype(src.file.tensors)
     cache_dir = speculant_home() / "converted" if use_cache else None
     calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
-    model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
-                              calibration_ids=calib)
+    if gemma4:
+        model = load_gemma4(path, dtype)
+    else:
+        model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
+                                  calibration_ids=calib)
     model = model.to(dev)
     model.kv_dtype = kv_dtype_of(kv_dtype or default_kv_dtype(dtype))
     check_kv_dtype(model.kv_dtype, model.cfg.head_dim)  # q8_0 needs whole blocks: said now, not at the first prompt

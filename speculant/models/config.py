@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import SpeculantError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "gemma4")  # gemma4: models/gemma4.py
 ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the gated MLP: SwiGLU, GeGLU with tanh GELU
 
 
