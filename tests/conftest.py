@@ -6,6 +6,8 @@ run through the same Transformer, KV cache, engine and verification code as the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer as Backend
@@ -17,6 +19,14 @@ from speculant.models.config import ModelConfig
 from speculant.models.formats import make_linear
 from speculant.models.transformer import Block, Transformer
 from speculant.tokenizer import Tokenizer
+
+# One torch (and kernel) thread per test process unless $SPECULANT_THREADS says otherwise. The tiny models'
+# passes are far too small to split: each op's threads wait for one another, and on a shared or busy host a
+# descheduled thread stalls the rest, so two threads cost many times the CPU of one for the engine-heavy
+# distribution tests. Parallelism comes from pytest-xdist workers instead (scripts/test.sh), one thread each.
+# Engines and CLI subprocesses read the variable; tests of the thread logic set or unset it themselves.
+os.environ.setdefault("SPECULANT_THREADS", "1")
+torch.set_num_threads(int(os.environ["SPECULANT_THREADS"]))
 
 
 def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
