@@ -25,8 +25,18 @@ from speculant.tokenizer import Tokenizer
 # descheduled thread stalls the rest, so two threads cost many times the CPU of one for the engine-heavy
 # distribution tests. Parallelism comes from pytest-xdist workers instead (scripts/test.sh), one thread each.
 # Engines and CLI subprocesses read the variable; tests of the thread logic set or unset it themselves.
+_THREADS_GIVEN = "SPECULANT_THREADS" in os.environ or "PYTEST_XDIST_WORKER" in os.environ
 os.environ.setdefault("SPECULANT_THREADS", "1")
 torch.set_num_threads(int(os.environ["SPECULANT_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def _real_models_use_every_core(request, monkeypatch):
+    """Tests of the real default models (a 1.5B's passes split well) run on the engine's default threads, unless
+    the count was given or several pytest-xdist workers share the cores."""
+    if request.node.get_closest_marker("real") is not None and not _THREADS_GIVEN:
+        monkeypatch.delenv("SPECULANT_THREADS")
+    yield
 
 
 def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
