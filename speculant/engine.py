@@ -178,6 +178,10 @@ class Engine:
             return LookupDrafter(m.lookup, self.target.model.device)
         if m.name == "lookup_tree":
             return LookupTreeDrafter(m.lookup_tree, m.lookup, self.target.model.device)
+        if m.name == "mtp":  # the target's own MTP layer (Qwen3.5)
+            from .methods.mtp import MTPDrafter
+
+            return MTPDrafter(self.target.model, sampler, max_len)
         if m.name == "medusa":
             return MedusaDrafter(self._head, m.heads, self._head_stats.get("val", {}).get("ranks"))
         if m.name in HEAD_METHODS:

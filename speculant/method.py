@@ -16,7 +16,7 @@ from .methods.lookup import LookupConfig
 from .methods.lookup_tree import LookupTreeConfig
 
 HEAD_METHODS = ("medusa", "eagle2", "eagle3")  # draft heads on the target's hidden states (speculant/heads)
-METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS)
+METHODS = ("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", *HEAD_METHODS, "mtp")
 MODEL_METHODS = ("draft", "hybrid", "draft_tree")  # the methods that need a draft model
 
 

@@ -114,7 +114,16 @@ def build_qwen35(src: Qwen35Source, fmt: str) -> Qwen35Model:
     if not cfg.tie_embeddings and not src.has("lm_head.weight"):
         raise SpeculantError(f"{src.path} lacks lm_head.weight and config.json does not tie the embeddings")
     lm_head = make_linear(head_w, None, HEAD_FORMAT.get(fmt, fmt))
-    return Qwen35Model(cfg, embed, blocks, src.get("norm.weight"), lm_head)
+    model = Qwen35Model(cfg, embed, blocks, src.get("norm.weight"), lm_head)
+    if src.has("mtp.fc.weight"):
+        from .qwen35_mtp import MTPLayer
+
+        if cfg.mtp_layers > 1:
+            raise SpeculantError(f"{src.path}: {cfg.mtp_layers} MTP layers; speculant runs one (mtp_num_hidden_layers 1)")
+        model.mtp = MTPLayer(make_linear(src.get("mtp.fc.weight"), None, fmt), src.get("mtp.pre_fc_norm_embedding.weight"),
+                             src.get("mtp.pre_fc_norm_hidden.weight"), layer(src, cfg, "mtp.layers.0.", fmt, False),
+                             src.get("mtp.norm.weight"), cfg.norm_eps)
+    return model
 
 
 def load_qwen35(path: Path, fmt: str, device: torch.device, kv_dtype: torch.dtype) -> Qwen35Model:

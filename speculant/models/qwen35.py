@@ -118,7 +118,8 @@ class GatedAttention(nn.Module):
         k = rms_norm(p[:, 2 * H * hd : (2 * H + Hkv) * hd].reshape(S * Hkv, hd), self.k_norm, self.eps).view(S, Hkv, hd)
         v = p[:, (2 * H + Hkv) * hd :].reshape(S, Hkv, hd)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        keys, vals = cache.kv.write(ai, start, k.transpose(0, 1), v.transpose(0, 1))  # [Hkv, L+S, hd]
+        kv = cache.kv if isinstance(cache, HybridCache) else cache  # the MTP layer's is a plain KVCache
+        keys, vals = kv.write(ai, start, k.transpose(0, 1), v.transpose(0, 1))  # [Hkv, L+S, hd]
         keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         if S <= ROW_WISE_MAX:  # row by row: a verification pass attends exactly as one-token decoding
             qs = (q * hd**-0.5).view(S, Hkv, H // Hkv, hd)
@@ -174,6 +175,7 @@ class Qwen35Model(nn.Module):
         # which cache slot each layer uses: attention layers index the KV cache, linear ones the states
         self._slot = [(cfg.linear_layers if cfg.is_linear(i) else cfg.attn_layers).index(i) for i in range(cfg.n_layers)]
         self.kv_dtype = torch.float32
+        self.mtp = None  # the MTP layer (models/qwen35_mtp.py) where the checkpoint ships one
 
     @property
     def device(self) -> torch.device:
