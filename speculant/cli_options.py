@@ -20,7 +20,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_TARGET, help="target: preset name, .gguf path or HF folder")
     p.add_argument("--draft", "-d", default=None,
                    help="draft model for --method draft or hybrid (preset, .gguf or HF folder)")
-    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", "medusa", "eagle2", "eagle3"),
+    p.add_argument("--method", choices=("ar", "draft", "lookup", "hybrid", "lookup_tree", "draft_tree", "medusa", "eagle2", "eagle3", "mtp"),
                    default=None,
                    help="decoding method: ar, draft (a draft model), lookup (n-grams of the context), hybrid "
                         "(prompt lookup's guesses, checked by the draft model where that pays, else the draft model), "

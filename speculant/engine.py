@@ -86,6 +86,10 @@ class Engine:
         self.target = target
         self.draft = draft
         self.method = method or MethodConfig("hybrid" if draft is not None else "ar")
+        if getattr(target.model, "recurrent", False) and self.method.name not in ("ar", "draft", "lookup", "hybrid", "mtp"):
+            # a recurrent state follows one chain: a tree's nodes would each need their path's (models/qwen35.py)
+            raise SpeculantError(f"--method {self.method.name} drafts trees, which a model with linear-attention "
+                                 "layers (Qwen3.5) cannot verify; choose ar, draft, lookup, hybrid or mtp")
         self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
         self._draft_cost = 0.0
         if self.method.name in MODEL_METHODS:

@@ -96,6 +96,9 @@ def test_trees_are_refused(model):
         model(torch.tensor([1, 2]), model.new_cache(10), mask=torch.ones(2, 2, dtype=torch.bool).tril())
     with pytest.raises(SpeculantError, match="chain"):
         model.new_cache(10).keep(0, torch.tensor([0]))
+    target = LoadedModel("qwen35", None, model, tiny_tokenizer(VOCAB), "float32")
+    with pytest.raises(SpeculantError, match="trees"):
+        Engine(target, method=MethodConfig("lookup_tree"))
 
 
 def test_greedy_output_of_every_chain_method_is_ar(folder, model):
@@ -120,3 +123,41 @@ def test_moe_is_refused():
         is_qwen35_hf({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
     assert is_qwen35_hf({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5"})
     assert not is_qwen35_hf({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
+
+
+def test_block_formats_are_batch_invariant_and_close(folder, model):
+    """The linears in a GGML block format (q8_0 here, with the f16 KV cache it defaults to): a k-row pass is still k
+    one-token passes bit for bit, and the logits stay near float32's."""
+    q8 = load_model(str(folder), "q8_0", progress=False, use_cache=False).model
+    ids = prompt(20)
+    a, b = q8.new_cache(40), q8.new_cache(40)
+    q8(torch.tensor(ids[:12]), a)
+    q8(torch.tensor(ids[:12]), b)
+    together = q8(torch.tensor(ids[12:]), a).logits
+    assert torch.equal(together, torch.cat([q8(torch.tensor([t]), b).logits for t in ids[12:]]))
+    want = model(torch.tensor(ids), model.new_cache(40)).logits[12:]
+    assert 0 < (together - want).abs().max().item() < 0.05
+
+
+def test_the_text_part_of_a_conditional_generation_folder(folder, model, tmp_path):
+    """Qwen3_5ForConditionalGeneration's layout (text config under text_config, tensors under model.language_model,
+    a vision tower beside them) loads as the same text model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "vl"
+    out.mkdir()
+    shutil.copy(folder / "tokenizer.json", out)
+    text = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                 "model_type": "qwen3_5", "text_config": text}))
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    save_file(tensors, str(out / "model.safetensors"))
+    vl = load_model(str(out), progress=False, use_cache=False).model
+    ids = torch.tensor(prompt(9))
+    assert torch.equal(vl(ids, vl.new_cache(9)).logits, model(ids, model.new_cache(9)).logits)
+    assert vl.mtp is not None

@@ -18,7 +18,7 @@ from speculant.sampling import Sampler, SamplingConfig
 V = 4
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
 CHECKED, JOINT, GENERATED = 3, 2, 6
-RUNS, CONTROL_RUNS = 300, 150
+RUNS, CONTROL_RUNS = 400, 150  # 400: every cell of the checked positions expects > 5 draws
 ALL = SamplingConfig(0.9, top_k=3, top_p=0.95, min_p=0.05, repeat_penalty=1.3, repeat_last_n=3, presence_penalty=0.4,
                      frequency_penalty=0.3, logit_bias={2: 0.5, 0: -0.3})
 
