@@ -73,13 +73,18 @@ class KeptPrefix:
         self.cache: KVCache | None = None
         self.tokens: list[int] = []  # prefilled tokens still valid in the cache
         self.starts: set[int] = set()  # their pass starts, and the end of the last pass
+        # A model with recurrent states (Qwen3.5's linear attention) cannot roll its cache back to a shared prefix
+        # (the states after it are gone): its prompts are prefilled whole, every time.
+        self.recurrent = model.recurrent
 
     def cache_for(self, max_len: int) -> KVCache:
         """The kept cache, grown (kept slots copied) if it holds fewer than `max_len` slots."""
         c = self.cache
         if c is None or c.max_len < max_len:
             new = self.model.new_cache(max_len)
-            if c is not None and self.tokens:
+            if self.recurrent:  # nothing is reused (prefill): the new cache starts empty
+                self.forget()
+            elif c is not None and self.tokens:
                 n = min(len(self.tokens), c.length)
                 new.k[:, :, :n] = c.k[:, :, :n]
                 new.v[:, :, :n] = c.v[:, :, :n]
@@ -98,7 +103,7 @@ class KeptPrefix:
         """
         cache = self.cache_for(max_len)
         limit = min(common_prefix(self.tokens, ids), cache.length, len(ids) - 1 if logits else len(ids)) \
-            if self.reuse else 0
+            if self.reuse and not self.recurrent else 0
         if self.model.batch_invariant_prompts():  # any shared prefix; passes of PASS_MAX only so that an
             reused = limit  # interrupted prefill keeps some
             starts = list(range(reused, len(ids), PASS_MAX)) or [reused]

@@ -8,7 +8,7 @@ order users see.
 
 from __future__ import annotations
 
-from . import assistant, dflash, draft_model, draft_tree, eagle, hybrid, lookup, lookup_tree, medusa
+from . import assistant, dflash, draft_model, draft_tree, eagle, hybrid, lookup, lookup_tree, medusa, mtp
 from .base import MethodSpec
 
 AR = MethodSpec("ar", "plain decoding: one target step per token (the baseline)", build=None)
@@ -23,6 +23,7 @@ METHOD_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     medusa.SPEC,
     eagle.EAGLE2,
     eagle.EAGLE3,
+    mtp.SPEC,
     dflash.SPEC,
     assistant.SPEC,
 )}

@@ -146,6 +146,11 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
         if why is not None:  # one line, not a silent slowdown
             logging.getLogger("speculant").warning(
                 f"speculant: {why}; {path.name} runs in float32 instead of its block formats (slower, more memory)")
+    from .load_qwen35 import is_qwen35_folder, load_qwen35
+
+    if is_qwen35_folder(path):  # hybrid linear attention: its own model class (models/qwen35.py)
+        model = load_qwen35(path, dtype, dev, kv_dtype_of(kv_dtype or default_kv_dtype(dtype)))
+        return LoadedModel(name=spec, path=path, model=model, tokenizer=Tokenizer.from_hf_dir(path), dtype=dtype)
     gemma4 = is_gemma4_folder(path)  # its own model class (models/gemma4.py)
     if path.is_dir():
         src = None if gemma4 else HFSource(path)

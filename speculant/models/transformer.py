@@ -199,6 +199,8 @@ class FloatEmbedding(nn.Module):
 
 
 class Transformer(nn.Module):
+    recurrent = False  # no recurrent state (models/qwen35.py has one): trees and prompt reuse are open to it
+
     def __init__(self, cfg: ModelConfig, embed: Tensor | nn.Module, blocks: list[Block], norm: Tensor,
                  lm_head: QLinear) -> None:
         super().__init__()
