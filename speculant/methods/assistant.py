@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..candidates import Dist, draw
+from ..candidates import Dist
 from ..heads.assistant import Assistant
 from ..models.transformer import FINAL_HIDDEN
 from ..sampling import Sampler
-from .base import Draft, Drafter, MethodSpec
+from .base import Draft, Drafter, MethodSpec, next_draft
 
 
 class AssistantDrafter(Drafter):
@@ -39,7 +39,7 @@ class AssistantDrafter(Drafter):
     def propose(self, pending: int, k: int) -> Draft:
         cache = self.kept.cache  # the target's: its committed slots end before the pending token
         committed = cache.length
-        sampler, greedy = self.sampler, self.sampler.generator is None
+        sampler = self.sampler
         vocab = self.target.cfg.vocab_size
         tok = torch.tensor([pending], device=self.h.device)
         h, tokens, qs, prefix = self.h, [], [], []
@@ -48,11 +48,8 @@ class AssistantDrafter(Drafter):
                 x = self.target.embed(tok) * self.assistant.embed_scale
                 logits, h = self.assistant.step(cache, committed, committed, x, h)
                 logits = logits[:, :vocab]
-                if greedy:
-                    tok = sampler.adjust(logits, prefix)[0].argmax(-1, keepdim=True)
-                else:
-                    q = sampler.dist(logits, prefix)
-                    tok = draw(q, sampler.generator)
+                tok, q = next_draft(sampler, logits, prefix)
+                if q is not None:
                     qs.append(q)
                 tokens.append(tok)
                 if sampler.penalized:

@@ -21,11 +21,11 @@ from typing import Any
 
 from torch import Tensor
 
-from ..candidates import Dist
+from ..candidates import Dist, draw
 from ..models.formats import QLinear
 from ..models.transformer import FINAL_HIDDEN, Transformer
 from ..prefix import KeptPrefix
-from ..sampling import Sampler
+from ..sampling import Sampler, top_token
 from ..tree import DraftTree
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig
 
@@ -88,6 +88,16 @@ class Drafter:
 
     def finish(self, decoded: list[int]) -> None:
         """The generation ended; `decoded` = the tokens after the prompt that the target's cache kept."""
+
+
+def next_draft(sampler: Sampler, logits: Tensor, prefix: list[int]) -> tuple[Tensor, Dist | None]:
+    """A chain drafter's next token from its logits [1, V]: the greedy choice under greedy decoding (q None:
+    one-hot), else a draw from the sampler's distribution, returned as its q (the penalties counting `prefix`,
+    the tokens drafted before it)."""
+    if sampler.generator is None:
+        return top_token(sampler.adjust(logits, prefix)), None
+    q = sampler.dist(logits, prefix)
+    return draw(q, sampler.generator), q
 
 
 @dataclass(slots=True)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..candidates import Dist, draw
+from ..candidates import Dist
 from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
-from ..sampling import Sampler, top_token
-from .base import Draft, Drafter, MethodSpec
+from ..sampling import Sampler
+from .base import Draft, Drafter, MethodSpec, next_draft
 
 
 class MTPDrafter(Drafter):
@@ -61,7 +61,6 @@ class MTPDrafter(Drafter):
 
     def propose(self, pending: int, k: int) -> Draft:
         sampler = self.sampler
-        greedy = sampler.generator is None
         self.cache.rollback(self.fed)
         tokens = torch.tensor(self._tokens + [pending], device=self.model.device)
         hidden = torch.cat(self._hidden + [self._last])
@@ -74,11 +73,8 @@ class MTPDrafter(Drafter):
         qs: list[Dist] = []
         prefix: list[int] = []
         while len(drafts) < k:
-            if greedy:
-                tok = top_token(sampler.adjust(logits, prefix))  # [1]
-            else:
-                q = sampler.dist(logits, prefix)
-                tok = draw(q, sampler.generator)
+            tok, q = next_draft(sampler, logits, prefix)  # [1]
+            if q is not None:
                 qs.append(q)
             drafts.append(tok)
             if sampler.penalized:

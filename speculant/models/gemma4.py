@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import SpeculantError
 from .cache import KVCache, q8_0_values
 from .formats.base import QLinear
 from .gemma4_config import Gemma4Config
-from .keys import tree_keys, window_keys
+from .keys import pass_layout, tree_keys, window_keys
 from .rotary import _rope, tables
 from .transformer import FINAL_HIDDEN, ROW_WISE_MAX, Output, Transformer, geglu, rms_norm
 
@@ -180,19 +179,7 @@ class Gemma4Model(Transformer):
         start, end = cache.reserve(S)
         if mask is None and S > ROW_WISE_MAX and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
             return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
-        if positions is None:
-            positions = torch.arange(start, end, device=tokens.device)
-        tree = mask is not None and tuple(mask.shape) == (S, S)
-        if mask is not None and not tree and tuple(mask.shape) != (S, end):
-            raise SpeculantError(f"attention mask must be [{S}, {S}] (over the pass) or [{S}, {end}] (over every "
-                                 f"slot), got {list(mask.shape)}")
-        row_wise = S <= ROW_WISE_MAX and (mask is None or tree)
-        if not row_wise:
-            if mask is None:
-                mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril_(start)
-            elif tree:
-                mask = torch.cat([mask.new_ones(S, start), mask], 1)
-            mask = mask.to(torch.bool)[None, None]
+        positions, mask, tree, row_wise = pass_layout(S, start, end, positions, mask, tokens.device)
         full_seen = tree_keys(mask, start, tokens.device) if tree and row_wise else None
         w_mask, w_seen = window_keys(self.cfg.sliding_window, mask, row_wise, start, positions)
         rope = {False: (self.cos[positions], self.sin[positions]),

@@ -49,7 +49,7 @@ from .config import ModelConfig
 from .formats.base import SHORT_PASS_MAX, QLinear
 from .formats.ggml import prefill_routes
 from .fused import attend_rows
-from .keys import tree_keys, window_keys
+from .keys import pass_layout, tree_keys, window_keys
 from .rotary import _rope, rope_tables  # noqa: F401  (rope_tables: imported from here by build.py)
 
 
@@ -275,19 +275,7 @@ class Transformer(nn.Module):
         start, end = cache.reserve(S)
         if mask is None and S > ROW_WISE_MAX and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
             return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
-        if positions is None:
-            positions = torch.arange(start, end, device=tokens.device)
-        tree = mask is not None and tuple(mask.shape) == (S, S)
-        if mask is not None and not tree and tuple(mask.shape) != (S, end):
-            raise SpeculantError(f"attention mask must be [{S}, {S}] (over the pass) or [{S}, {end}] (over every "
-                                 f"slot), got {list(mask.shape)}")
-        row_wise = S <= ROW_WISE_MAX and (mask is None or tree)
-        if not row_wise:
-            if mask is None:  # causal over the cache: new token i sees slots [0, start + i]
-                mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril_(start)
-            elif tree:  # the committed slots, then the tree's own rows
-                mask = torch.cat([mask.new_ones(S, start), mask], 1)
-            mask = mask.to(torch.bool)[None, None]  # [1, 1, S, L+S]
+        positions, mask, tree, row_wise = pass_layout(S, start, end, positions, mask, tokens.device)
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
         x = self.embed(tokens)  # [S, D]
         if self.cfg.embed_scale is not None:
