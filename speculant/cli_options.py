@@ -118,6 +118,20 @@ def sampling_config(args: argparse.Namespace):
                           logit_bias=bias)
 
 
+def default_method(model: str, draft: str | None) -> str:
+    """The method when none is named: hybrid with a draft model; the model's own MTP layer where it ships one
+    (Qwen3.5: a drafter trained by the model's makers, about one decoder layer a draft; the governor still runs
+    plain rounds where it measures speculation losing); else prompt lookup."""
+    if draft:
+        return "hybrid"
+    from pathlib import Path
+
+    from .models.load_qwen35 import ships_mtp
+
+    folder = Path(model).expanduser()
+    return "mtp" if folder.is_dir() and ships_mtp(folder) else "lookup"
+
+
 def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
     from .engine import Engine
@@ -142,7 +156,7 @@ def load_engine(args: argparse.Namespace):
         from .heads.store import resolve_heads
 
         args.method = head_method(resolve_heads(drafter, args.model, "eagle3"))
-    method = args.method or ("hybrid" if args.draft else "lookup")
+    method = args.method or default_method(args.model, args.draft)
     if method in MODEL_METHODS and not args.draft:
         raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
     if method not in MODEL_METHODS and args.draft:

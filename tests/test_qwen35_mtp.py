@@ -98,3 +98,25 @@ def test_sampled_mtp_negative_control(small, monkeypatch):
     eng = Engine(small, method=MethodConfig("mtp"))
     runs = sample_runs(lambda i: eng, PROMPT, ALL, CHECKED, V, CONTROL_RUNS, generate=GENERATED)
     assert min(runs.pvalues(exp)[1:]) < 1e-3
+
+
+def test_mtp_is_the_default_method_of_a_model_that_ships_it(tmp_path, capsys, monkeypatch):
+    import json
+
+    from speculant.cli import main
+    from speculant.cli_options import default_method
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))
+    with_mtp, without = save_qwen35(tmp_path / "mtp"), save_qwen35(tmp_path / "nomtp", mtp=False)
+    assert default_method(str(with_mtp), None) == "mtp"
+    assert default_method(str(without), None) == "lookup"
+    assert default_method(str(with_mtp), "some-draft") == "hybrid"
+    outs = []
+    for extra in ([], ["--method", "ar"]):
+        rc = main(["generate", "--model", str(with_mtp), *extra, "-n", "12", "--stats", "--no-progress",
+                   " ".join(f"t{i}" for i in prompt(12))])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        outs.append((out, json.loads(err.strip().splitlines()[-1])))
+    assert outs[0][1]["method"] == "mtp" and outs[0][1]["drafted_tokens"] > 0
+    assert outs[0][0] == outs[1][0]

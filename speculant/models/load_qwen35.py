@@ -30,6 +30,12 @@ def is_qwen35_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and is_qwen35_hf(_read_config(path / "config.json"))
 
 
+def ships_mtp(path: Path) -> bool:
+    """Whether `path` is a Qwen3.5 folder whose checkpoint carries its MTP layer (`mtp.fc.weight`): the model then
+    drafts for itself (`--method mtp`, its default method)."""
+    return is_qwen35_folder(path) and Qwen35Source(path).has("mtp.fc.weight")
+
+
 class Qwen35Source:
     """Float32 tensors of a Qwen3.5 HF folder by their name below the text model (`layers.3.mlp.up_proj.weight`),
     or `mtp.*` by their full name."""
