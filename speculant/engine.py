@@ -53,11 +53,10 @@ class Engine:
         self._draft_head = None  # the draft's reduced-vocabulary output layer, built once per engine
         self._draft_cost = 0.0
         spec = METHOD_SPECS[self.method.name]
-        if spec.tree and target.model.recurrent:
-            # a recurrent state follows one chain: a tree's nodes would each need their path's (models/qwen35.py)
-            chains = ", ".join(n for n, s in METHOD_SPECS.items() if not s.tree)
-            raise SpeculantError(f"--method {self.method.name} drafts trees, which a model with linear-attention "
-                                 f"layers (Qwen3.5) cannot verify; choose one of {chains}")
+        why = spec.why_not(target.model)
+        if why is not None:
+            fits = ", ".join(n for n, s in METHOD_SPECS.items() if s.why_not(target.model) is None)
+            raise SpeculantError(f"--method {self.method.name} cannot run on this model: {why}; choose one of {fits}")
         if spec.loads == "draft":
             if draft is None:
                 raise SpeculantError(f"--method {self.method.name} needs a draft model (--draft MODEL)")

@@ -120,3 +120,15 @@ def test_mtp_is_the_default_method_of_a_model_that_ships_it(tmp_path, capsys, mo
         outs.append((out, json.loads(err.strip().splitlines()[-1])))
     assert outs[0][1]["method"] == "mtp" and outs[0][1]["drafted_tokens"] > 0
     assert outs[0][0] == outs[1][0]
+
+
+def test_the_server_offers_what_a_qwen35_can_run(big, tmp_path):
+    from speculant.server.app import offered_methods
+
+    offered = offered_methods(Engine(big, method=MethodConfig("mtp")))
+    assert "mtp" in offered and "lookup" in offered and "ar" in offered
+    assert "lookup_tree" not in offered  # trees: a recurrent state follows one chain
+    plain = load_model(str(save_qwen35(tmp_path / "nomtp", mtp=False)), progress=False, use_cache=False)
+    assert "mtp" not in offered_methods(Engine(plain))
+    with pytest.raises(SpeculantError, match="--method mtp cannot run on this model: the model ships no"):
+        Engine(plain, method=MethodConfig("mtp"))

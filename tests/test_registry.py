@@ -42,12 +42,12 @@ def test_a_spec_decides_which_options_a_method_takes():
 def test_the_engine_builds_each_method_through_its_spec(name):
     target = tiny_model(16, seed=1)
     draft = tiny_model(16, seed=2) if METHOD_SPECS[name].loads == "draft" else None
-    engine = Engine(target, draft, MethodConfig(name))
     spec = METHOD_SPECS[name]
     if name == "mtp":  # a llama-style tiny model ships no MTP layer (tests/test_qwen35_mtp.py runs one that does)
-        with pytest.raises(SpeculantError, match="--method mtp needs a model that ships"):
-            engine._drafter(None, 64, None)
+        with pytest.raises(SpeculantError, match="--method mtp cannot run on this model: the model ships no multi"):
+            Engine(target, draft, MethodConfig(name))
         return
+    engine = Engine(target, draft, MethodConfig(name))
     drafter = engine._drafter(None, 64, None)
     if spec.build is None:
         assert drafter is None
@@ -64,7 +64,8 @@ def test_a_method_that_needs_a_draft_model_says_so_and_the_server_offers_only_wh
         with pytest.raises(SpeculantError, match=f"--method {name} needs a draft model"):
             Engine(target, None, MethodConfig(name))
     offered = offered_methods(Engine(target, None, MethodConfig("lookup")))
-    assert offered == [n for n, s in METHOD_SPECS.items() if s.loads == ""]
+    assert offered == [n for n, s in METHOD_SPECS.items() if s.loads == "" and s.why_not(target.model) is None]
+    assert "lookup_tree" in offered and "mtp" not in offered  # no MTP layer in a llama-style model
 
 
 def test_a_spec_that_loads_heads_says_how():

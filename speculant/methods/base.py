@@ -132,6 +132,14 @@ class MethodSpec:
     options: str = "chain"
     # (target LoadedModel, MethodConfig) -> (the loaded heads or drafter, what training measured of it)
     load: Callable[[Any, Any], tuple[Any, dict]] | None = None
+    # the target model -> why this method cannot run on it, or None (e.g. mtp on a model without an MTP layer)
+    unfit: Callable[[Any], str | None] | None = None
+
+    def why_not(self, model) -> str | None:
+        """Why this method cannot run on target `model` (its Transformer), or None."""
+        if self.tree and model.recurrent:  # a tree's nodes would each need their own path's recurrent state
+            return "it drafts trees, which a model with linear-attention layers (Qwen3.5) cannot verify"
+        return self.unfit(model) if self.unfit is not None else None
 
     def __post_init__(self) -> None:
         if (self.loads not in ("", "draft", "heads") or self.options not in ("chain", "heads", "drafter")

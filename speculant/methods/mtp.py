@@ -86,4 +86,6 @@ class MTPDrafter(Drafter):
 
 
 SPEC = MethodSpec("mtp", "the target's own multi-token-prediction layer (Qwen3.5's MTP) drafts a chain",
-                  build=lambda c: MTPDrafter(c.target, c.sampler, c.max_len))
+                  build=lambda c: MTPDrafter(c.target, c.sampler, c.max_len),
+                  unfit=lambda model: None if model.mtp is not None else "the model ships no multi-token-prediction "
+                  "layer (Qwen3.5's mtp.* tensors)")

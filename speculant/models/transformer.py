@@ -200,6 +200,7 @@ class FloatEmbedding(nn.Module):
 
 class Transformer(nn.Module):
     recurrent = False  # no recurrent state (models/qwen35.py has one): trees and prompt reuse are open to it
+    mtp = None  # no multi-token-prediction layer (Qwen3.5's: models/qwen35_mtp.py)
 
     def __init__(self, cfg: ModelConfig, embed: Tensor | nn.Module, blocks: list[Block], norm: Tensor,
                  lm_head: QLinear) -> None:

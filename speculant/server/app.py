@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from ..engine import Engine
 from ..errors import SpeculantError
 from ..method import HEAD_METHODS, METHODS, MODEL_METHODS
+from ..methods.registry import METHOD_SPECS
 from .metrics import Metrics
 from .responses import APIError
 from .routes import router
@@ -48,9 +49,11 @@ class ServerConfig:
 
 def offered_methods(engine: Engine) -> list[str]:
     """The methods a request may pick on this engine's loaded models: those needing a draft model only
-    with one, and a head method only the one the server was started with (its heads are loaded)."""
+    with one, a head method only the one the server was started with (its heads are loaded), and none the
+    target cannot run (trees on Qwen3.5, mtp without an MTP layer: MethodSpec.why_not)."""
     return [m for m in METHODS if m == engine.method.name or not (
-        m in HEAD_METHODS or (m in MODEL_METHODS and engine.draft is None))]
+        m in HEAD_METHODS or (m in MODEL_METHODS and engine.draft is None)
+        or METHOD_SPECS[m].why_not(engine.target.model) is not None)]
 
 
 def create_app(engine: Engine, cfg: ServerConfig) -> FastAPI:
