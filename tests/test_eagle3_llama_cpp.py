@@ -235,7 +235,7 @@ def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypat
 
 # ---------------------------------------------------------------- (d) files that are not a drafter for this target
 def test_not_a_drafter_gguf_is_a_clear_error(files, target):
-    with pytest.raises(SpeculantError, match="architecture 'qwen3'.*--draft-model"):
+    with pytest.raises(SpeculantError, match="architecture 'qwen3'.*--draft MODEL"):
         drafter_method(str(files["target.gguf"]))
     with pytest.raises(SpeculantError, match="architecture 'qwen3'"):
         load_head(files["target.gguf"], target.config)

@@ -54,8 +54,10 @@ def test_a_minimal_drafter_reads(tmp_path):
 
 
 def test_another_architecture(tmp_path):
-    with pytest.raises(SpeculantError, match="architecture 'llama'.*EAGLE-3 drafter.*--draft-model"):
+    with pytest.raises(SpeculantError, match="architecture 'llama'.*EAGLE-3 or DFlash drafter.*--draft MODEL"):
         read_gguf_drafter(_write(tmp_path / "m.gguf", arch="llama"))
+    with pytest.raises(SpeculantError, match="a DFlash drafter; run it with --method dflash"):
+        read_gguf_drafter(_write(tmp_path / "d.gguf", arch="dflash"))
 
 
 def test_missing_metadata(tmp_path):

@@ -52,7 +52,7 @@ def gguf_method(path: Path) -> str:
     if arch not in (_ARCH, "dflash"):
         raise SpeculantError(f"{path}: a GGUF file of architecture {arch!r}; a drafter GGUF is an EAGLE-3 or DFlash "
                              "drafter converted by llama.cpp (architecture 'eagle3' or 'dflash'). A whole model drafts "
-                             "with --draft-model")
+                             "with --draft MODEL")
     return arch
 
 
