@@ -10,7 +10,7 @@ from speculant.candidates import Dist, draw
 from speculant.engine import Engine, GenerationConfig
 from speculant.governor import GovernorConfig
 from speculant.method import MethodConfig, parse_method
-from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig
+from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig, Drafter
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
@@ -21,7 +21,7 @@ from sampled import exact_marginals, sample_runs
 from test_engine import PENALTIES, PROMPT
 
 
-class RandomTree:
+class RandomTree(Drafter):
     """Siblings drawn from a fixed distribution r over the vocabulary, `widths[d]` under every node of
     depth d: i.i.d. ('iid', q = r), without replacement ('without', q = r minus earlier siblings), or
     r's top tokens ('topb', q = None). Records what the engine hands it."""
