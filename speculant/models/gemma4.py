@@ -24,7 +24,7 @@ from .formats.base import QLinear
 from .gemma4_config import Gemma4Config
 from .keys import pass_layout, tree_keys, window_keys
 from .rotary import _rope, tables
-from .transformer import FINAL_HIDDEN, ROW_WISE_MAX, Output, Transformer, geglu, rms_norm
+from .transformer import ROW_WISE_MAX, Output, Transformer, geglu, rms_norm
 
 
 def _param(t: Tensor) -> nn.Parameter:
@@ -195,14 +195,4 @@ class Gemma4Model(Transformer):
             if i in taps:
                 tapped[i] = x
         cache.length = end
-        if FINAL_HIDDEN in taps:
-            h = rms_norm(x, self.norm, self.cfg.norm_eps)
-            tapped[FINAL_HIDDEN] = h
-            h = h if logit_rows is None else h[logit_rows]
-        else:
-            h = rms_norm(x if logit_rows is None else x[logit_rows], self.norm, self.cfg.norm_eps)
-        logits = (head or self.lm_head)(h)
-        if self.cfg.final_softcap is not None:
-            cap = self.cfg.final_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return Output(logits, tapped)
+        return self._output(x, taps, tapped, logit_rows, head)

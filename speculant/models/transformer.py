@@ -306,6 +306,11 @@ class Transformer(nn.Module):
                 if i in taps:
                     tapped[i] = x
         cache.length = end
+        return self._output(x, taps, tapped, logit_rows, head)
+
+    def _output(self, x: Tensor, taps: tuple[int, ...], tapped: dict[int, Tensor], logit_rows: slice | Tensor | None,
+                head: QLinear | None) -> Output:
+        """Output from the last block's residual: final norm, logits (soft-capped if set), the FINAL_HIDDEN tap."""
         if FINAL_HIDDEN in taps:  # rms_norm is row by row: the logit rows are those of the full result
             h = rms_norm(x, self.norm, self.cfg.norm_eps)
             tapped[FINAL_HIDDEN] = h
