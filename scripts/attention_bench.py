@@ -21,7 +21,7 @@ import torch
 from speculant.models import native
 from speculant.models.cache import KV_DTYPES, KVCache
 from speculant.models.fused import bind_tree_kernels
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 
 def main() -> None:

@@ -52,18 +52,18 @@ from conftest import tiny_model  # noqa: E402  (tests/conftest.py: the random-mo
 from test_heads import random_head  # noqa: E402  (a random head saved as a checkpoint folder)
 
 from speculant.cli import main as cli_main  # noqa: E402
-from speculant.engine import Engine, GenerationConfig  # noqa: E402
-from speculant.governor import GovernorConfig  # noqa: E402
-from speculant.heads.runtime import HeadsConfig  # noqa: E402
-from speculant.method import MethodConfig  # noqa: E402
+from speculant.decoding.engine import Engine, GenerationConfig  # noqa: E402
+from speculant.methods.governor import GovernorConfig  # noqa: E402
+from speculant.methods.heads import HeadsConfig  # noqa: E402
+from speculant.methods.config import MethodConfig  # noqa: E402
 from speculant.methods.base import DraftLengthConfig  # noqa: E402
 from speculant.methods.draft_model import DraftModelConfig  # noqa: E402
 from speculant.methods.hybrid import HybridConfig  # noqa: E402
 from speculant.methods.lookup import LookupConfig  # noqa: E402
 from speculant.models import LoadedModel  # noqa: E402
 from speculant.models.formats import FloatLinear, SHORT_PASS_MAX  # noqa: E402
-from speculant.sampling import SamplingConfig  # noqa: E402
-from speculant.tree import DraftTree  # noqa: E402
+from speculant.exact.sampler import SamplingConfig  # noqa: E402
+from speculant.exact.tree import DraftTree  # noqa: E402
 
 DEV = torch.device(args.device)
 QUICK = args.quick

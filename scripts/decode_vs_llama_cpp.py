@@ -20,7 +20,7 @@ from pathlib import Path
 from speculant.bench.speed import bench_ids, decode_tps, measure_bandwidth
 from speculant.hub import resolve_model
 from speculant.models import load_model
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 
 def main() -> None:

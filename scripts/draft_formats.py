@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 
 from speculant.bench.prompts import load_prompts
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.models import load_model
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 
 
 def main() -> None:

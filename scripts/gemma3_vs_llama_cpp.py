@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from speculant.engine import Engine, GenerationConfig  # noqa: E402
+from speculant.decoding.engine import Engine, GenerationConfig  # noqa: E402
 from speculant.hub import resolve_model  # noqa: E402
 from speculant.models import load_model  # noqa: E402
-from speculant.runtime import configure_threads  # noqa: E402
+from speculant.threads import configure_threads  # noqa: E402
 
 # held out: none of them is in a test or a calibration text
 PROMPTS = (

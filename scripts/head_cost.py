@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from speculant.heads.runtime import HeadsConfig, load_heads
+from speculant.methods.heads import HeadsConfig, load_heads
 from speculant.heads.layer import attend
 from speculant.heads.modules import MedusaHeads
 from speculant.models import load_model
 from speculant.models.cache import KVCache
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 
 def median_ms(fn, n: int = 50) -> float:

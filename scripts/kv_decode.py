@@ -17,7 +17,7 @@ import torch
 
 from speculant.models import load_model
 from speculant.models.cache import KV_DTYPES, kv_dtype
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 STEPS = 16
 

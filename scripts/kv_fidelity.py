@@ -19,7 +19,7 @@ import torch
 from speculant.bench.speed import compare_logits, fidelity_logits, fidelity_text
 from speculant.models import load_model
 from speculant.models.cache import KV_DTYPES, kv_dtype
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import torch
 
 from speculant.bench.speed import measure_bandwidth
 from speculant.models import load_model
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 ROLES = ("qkv", "o", "gate_up", "down")
 

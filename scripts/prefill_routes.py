@@ -14,7 +14,7 @@ import torch
 
 from speculant.models import load_model, native
 from speculant.models.formats import ggml
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 ap = argparse.ArgumentParser()
 ap.add_argument("models", nargs="+")

@@ -13,7 +13,7 @@ import argparse
 import time
 
 from speculant.cli import DEFAULT_DRAFT, DEFAULT_TARGET, build_parser, load_engine
-from speculant.engine import Chunk, Done, GenerationConfig
+from speculant.decoding.engine import Chunk, Done, GenerationConfig
 
 TURNS = ["Write a Python function that parses a CSV file into a list of dicts.",
          "Add type hints and a docstring.",

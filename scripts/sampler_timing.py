@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_sampling import _old_probs  # noqa: E402  the code the fast path replaced
 
-from speculant.candidates import draw  # noqa: E402
+from speculant.exact.distributions import draw  # noqa: E402
 from speculant.models import load_model  # noqa: E402
-from speculant.runtime import configure_threads  # noqa: E402
-from speculant.sampling import Sampler, SamplingConfig  # noqa: E402
+from speculant.threads import configure_threads  # noqa: E402
+from speculant.exact.sampler import Sampler, SamplingConfig  # noqa: E402
 
 REPEATS = 7
 PROMPT = ('def has_close_elements(numbers: list[float], threshold: float) -> bool:\n    """Check if in given list of '

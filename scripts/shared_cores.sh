@@ -7,7 +7,7 @@
 set -euo pipefail
 NAME=${1:-qwen2.5-coder-1.5b-instruct}
 PY=${PYTHON:-.venv/bin/python}
-CORES=$($PY -c "from speculant.runtime import default_threads; print(default_threads())")
+CORES=$($PY -c "from speculant.threads import default_threads; print(default_threads())")
 lscpu | grep "Model name"; echo "model: $NAME, threads: default (adaptive), $CORES (fixed), 1 (fixed)"
 M=""  # the GGUF file, for llama-bench
 [ -n "${LLAMA_CPP_BIN:-}" ] && M=$($PY -c "from speculant.hub import resolve_model; print(resolve_model('$NAME'))")

@@ -13,7 +13,7 @@ import time
 from speculant.bench.speed import cost_curve, prefill_tps
 from speculant.models import load_model, native
 from speculant.models.formats import GGMLLinear
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 
 REPEATS = 20
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from speculant.models import load_model
-from speculant.runtime import configure_threads
+from speculant.threads import configure_threads
 configure_threads()
 name, dtype = sys.argv[1], sys.argv[2]
 m = load_model(name, dtype, progress=False).model

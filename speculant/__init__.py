@@ -6,11 +6,11 @@
         ...
 """
 
-from .engine import Chunk, Done, Engine, GenerationConfig
-from .method import MethodConfig, drafter_method
+from .decoding.engine import Chunk, Done, Engine, GenerationConfig
+from .methods.config import MethodConfig, drafter_method
 from .errors import SpeculantError
 from .models import LoadedModel, load_model
-from .sampling import SamplingConfig
+from .exact.sampler import SamplingConfig
 
 __all__ = ["Chunk", "Done", "Engine", "GenerationConfig", "LoadedModel", "MethodConfig", "SamplingConfig", "drafter_method",
            "SpeculantError", "load_model"]

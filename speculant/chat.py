@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .engine import Chunk, Done, Engine, GenerationConfig
+from .decoding.engine import Chunk, Done, Engine, GenerationConfig
 from .errors import SpeculantError
-from .stats import Stats
+from .decoding.stats import Stats
 
 
 @dataclass(slots=True)

@@ -77,14 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _gen_config(args: argparse.Namespace):
-    from .engine import GenerationConfig
+    from .decoding.engine import GenerationConfig
 
     return GenerationConfig(max_new_tokens=args.max_tokens, sampling=sampling_config(args),
                             stop_strings=tuple(args.stop))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import Chunk
+    from .decoding.engine import Chunk
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     gen = _gen_config(args)  # validate sampling values before loading a model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from .errors import SpeculantError
-from .method import METHODS
+from .methods.config import METHODS
 from .methods.registry import METHOD_SPECS
 from .models.cache import KV_DTYPES
 
@@ -101,7 +101,7 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_config(args: argparse.Namespace):
     """The SamplingConfig of the sampler flags (a SpeculantError names what to fix)."""
-    from .sampling import SamplingConfig
+    from .exact.sampler import SamplingConfig
 
     bias = {}
     for item in args.logit_bias:
@@ -134,15 +134,15 @@ def default_method(model: str, draft: str | None) -> str:
 
 def load_engine(args: argparse.Namespace):
     """Models and method from the common arguments (shared by generate, chat and bench)."""
-    from .engine import Engine
-    from .governor import GovernorConfig
-    from .method import HEAD_METHODS, MODEL_METHODS, MethodConfig
+    from .decoding.engine import Engine
+    from .methods.governor import GovernorConfig
+    from .methods.config import HEAD_METHODS, MODEL_METHODS, MethodConfig
     from .methods.base import DraftLengthConfig
     from .methods.draft_model import DraftModelConfig
     from .methods.hybrid import HybridConfig
     from .methods.lookup import LookupConfig
     from .models import load_model
-    from .runtime import configure_threads
+    from .threads import configure_threads
 
     configure_threads(args.threads)
     # Without a draft model, prompt lookup: it needs nothing more and beat `ar` in every measured setting
@@ -161,7 +161,7 @@ def load_engine(args: argparse.Namespace):
         raise SpeculantError(f"--method {method} needs --draft MODEL (e.g. --draft {DEFAULT_DRAFT})")
     if method not in MODEL_METHODS and args.draft:
         raise SpeculantError(f"--draft is only used with --method draft or hybrid, not {method}")
-    from .heads.runtime import HeadsConfig
+    from .methods.heads import HeadsConfig
 
     if (args.heads or drafter) and method not in HEAD_METHODS and not bench:  # the methods that load a folder
         flag = "--drafter" if drafter else "--heads"

@@ -18,7 +18,7 @@ from speculant.models.cache import kv_dtype as kv_dtype_of
 from speculant.models.config import ModelConfig
 from speculant.models.formats import make_linear
 from speculant.models.transformer import Block, Transformer
-from speculant.tokenizer import Tokenizer
+from speculant.text.tokenizer import Tokenizer
 
 # One torch (and kernel) thread per test process unless $SPECULANT_THREADS says otherwise. The tiny models'
 # passes are far too small to split: each op's threads wait for one another, and on a shared or busy host a
@@ -81,7 +81,7 @@ def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2,
 def real_model_cache():
     """Loaded real models by (preset, dtype), shared across the session (loading costs seconds)."""
     from speculant.models import load_model
-    from speculant.runtime import configure_threads
+    from speculant.threads import configure_threads
 
     configure_threads()
     loaded: dict[tuple[str, str], LoadedModel] = {}

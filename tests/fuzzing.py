@@ -270,7 +270,7 @@ def gguf_target(seeds: list[Seed], i: int, folder: Path) -> str:
     """The GGUF parser, then the tokenizer and chat template built from what it read."""
     from speculant.errors import SpeculantError
     from speculant.gguf_file import GGUFFile
-    from speculant.tokenizer import Tokenizer
+    from speculant.text.tokenizer import Tokenizer
 
     try:
         _use_tokenizer(Tokenizer.from_gguf(GGUFFile(_case_file(seeds, i, folder)).fields))
@@ -303,7 +303,7 @@ def _use_tokenizer(tok) -> None:
 
 def json_seeds() -> list[dict[str, str]]:
     """HF tokenizer folders (tokenizer.json, tokenizer_config.json) rebuilt from the GGUF seeds."""
-    from speculant.tokenizer import Tokenizer
+    from speculant.text.tokenizer import Tokenizer
 
     out = []
     for seed in load_seeds():
@@ -324,7 +324,7 @@ def _json_leaf(rng: random.Random, old: object) -> object:
 def json_target(seeds: list[dict[str, str]], i: int, folder: Path) -> str:
     """A Hugging Face tokenizer folder with a damaged tokenizer.json or tokenizer_config.json."""
     from speculant.errors import SpeculantError
-    from speculant.tokenizer import Tokenizer
+    from speculant.text.tokenizer import Tokenizer
 
     rng = random.Random(i)
     files = dict(seeds[i % len(seeds)])

@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 import torch
 from scipy.stats import chisquare
 
-import speculant.engine as engine_module
-import speculant.tree_round as tree_module
-from speculant.candidates import Dist
-from speculant.engine import Engine, GenerationConfig
-from speculant.sampling import SamplingConfig
+import speculant.decoding.engine as engine_module
+import speculant.decoding.tree_round as tree_module
+from speculant.exact.distributions import Dist
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.exact.sampler import SamplingConfig
 from test_sampling import reference_probs
 
 

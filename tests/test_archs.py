@@ -21,8 +21,8 @@ import torch
 
 from conftest import tiny_tokenizer
 from parity import reference_greedy
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.models import LoadedModel
 from speculant.models.build import build_transformer

@@ -20,10 +20,10 @@ from speculant.bench.report import (Table, bar_chart, fmt, load_note, machine_in
 from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, fidelity_logits,
                                    measure_bandwidth, measure_model, prefill_tps, text_logits)
 from speculant.bench.speed_run import SpeedResult, speed_tables
-from speculant.engine import Engine
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine
+from speculant.methods.config import MethodConfig
 from speculant.errors import SpeculantError
-from speculant.stats import Stats
+from speculant.decoding.stats import Stats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -186,7 +186,7 @@ def test_writers(tmp_path: Path) -> None:
 
 def test_machine_info_and_load_note(tmp_path: Path) -> None:
     from speculant.models import native
-    from speculant.runtime import cpu_model
+    from speculant.threads import cpu_model
 
     info = machine_info()
     assert set(info) == {"cpu", "kernels", "cpus", "load_average"}
@@ -346,7 +346,7 @@ def test_run_methods_runs_conversations_with_their_prompt_cache(prefill_route) -
 
 def test_run_methods_sampled_with_seeds() -> None:
     """Sampled runs: every prompt once per seed, not compared with ar's tokens (they differ by design)."""
-    from speculant.sampling import SamplingConfig
+    from speculant.exact.sampler import SamplingConfig
 
     target = tiny_model(32, seed=1, logit_scale=3.0)
     draft = tiny_model(32, seed=2, logit_scale=3.0, dim=16, layers=1)

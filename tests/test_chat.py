@@ -5,8 +5,8 @@ import pytest
 
 from conftest import tiny_model
 from speculant.chat import Conversation
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 
 TEMPLATE = ("{% for m in messages %}t7 t2 {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}t7 t2{% endif %}")

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import tiny_tokenizer
-from speculant import chat_template
+from speculant.text import chat_template
 from speculant.errors import SpeculantError
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -10,13 +10,13 @@ import torch
 
 import speculant.models.transformer as tr
 from speculant.cli import main
-from speculant.engine import Engine
+from speculant.decoding.engine import Engine
 from speculant.errors import SpeculantError
-from speculant.heads.runtime import HeadsConfig, load_heads
-from speculant.method import MethodConfig
+from speculant.methods.heads import HeadsConfig, load_heads
+from speculant.methods.config import MethodConfig
 from speculant.methods.medusa import MedusaDrafter
 from speculant.models import LoadedModel, resolve_device
-from speculant.tree import DraftTree
+from speculant.exact.tree import DraftTree
 
 from conftest import tiny_model
 from test_heads import random_head

@@ -23,10 +23,10 @@ from test_eagle3_published import D, LAYERS, save_qwen3
 from speculant import Engine, GenerationConfig, SamplingConfig, drafter_method, load_model
 from speculant.cli import main
 from speculant.errors import SpeculantError
-from speculant.heads.runtime import HeadsConfig, load_dflash_drafter
-from speculant.method import parse_method
+from speculant.methods.heads import HeadsConfig, load_dflash_drafter
+from speculant.methods.config import parse_method
 from speculant.methods.dflash import DFlashDrafter
-from speculant.sampling import Sampler
+from speculant.exact.sampler import Sampler
 
 BLOCK = 8
 

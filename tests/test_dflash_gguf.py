@@ -26,12 +26,12 @@ from test_eagle3_llama_cpp import NEAR_TIE, PROMPT, _llama_speculative, bin_dir,
 
 from speculant import Engine, GenerationConfig, MethodConfig, drafter_method, load_model
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
+from speculant.methods.governor import GovernorConfig
 from speculant.heads.formats import head_method, load_head
-from speculant.heads.runtime import HeadsConfig, load_dflash_drafter
+from speculant.methods.heads import HeadsConfig, load_dflash_drafter
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.dflash import DFlashDrafter
-from speculant.stats import Stats
+from speculant.decoding.stats import Stats
 
 pytestmark = pytest.mark.real
 

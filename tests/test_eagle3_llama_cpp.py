@@ -36,11 +36,11 @@ from safetensors.torch import load_file, save_file
 
 from speculant import Engine, GenerationConfig, MethodConfig, drafter_method, load_model
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
+from speculant.methods.governor import GovernorConfig
 from speculant.heads.formats import head_method, load_head
-from speculant.heads.runtime import HeadsConfig, load_heads
+from speculant.methods.heads import HeadsConfig, load_heads
 from speculant.methods.eagle import EagleDrafter
-from speculant.stats import Stats
+from speculant.decoding.stats import Stats
 
 # SmolLM2's tokenizer (from the real preset's GGUF): real-marked like tests/test_llama_cpp_parity.py
 pytestmark = pytest.mark.real

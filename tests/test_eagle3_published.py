@@ -26,7 +26,7 @@ from speculant.cli import main
 from speculant.errors import SpeculantError
 from speculant.heads.formats import load_head
 from speculant.heads.modules import target_rows
-from speculant.heads.runtime import HeadsConfig, load_heads
+from speculant.methods.heads import HeadsConfig, load_heads
 from speculant.methods.eagle import EagleDrafter
 
 LAYERS, D, FF = 6, 64, 96  # the target (Qwen3, head_dim 24, rope_theta 1e6)

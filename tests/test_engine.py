@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Chunk, Done, Engine, GenerationConfig
-from speculant.method import MethodConfig, parse_method
+from speculant.decoding.engine import Chunk, Done, Engine, GenerationConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
+from speculant.methods.governor import GovernorConfig
 from speculant.methods.base import DraftLength, DraftLengthConfig
 from speculant.models.cache import kv_dtype as kv_dtype_of
 from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head, window_start
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
-from speculant.sampling import Sampler, SamplingConfig
+from speculant.exact.sampler import Sampler, SamplingConfig
 from sampled import biased_acceptance, exact_marginals, sample_runs
 from test_sampling import INF, reference_adjust, reference_probs
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine
-from speculant.heads.runtime import HeadsConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine
+from speculant.methods.heads import HeadsConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 from sampled import biased_acceptance, exact_joint, exact_paths, sample_runs
 from test_heads import random_head
 

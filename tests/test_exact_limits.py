@@ -9,12 +9,12 @@ import torch
 
 from conftest import tiny_model
 from speculant.cli import main
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig, parse_method
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_tree import DraftTreeConfig
-from speculant.heads.runtime import HeadsConfig
-from speculant.sampling import SamplingConfig
+from speculant.methods.heads import HeadsConfig
+from speculant.exact.sampler import SamplingConfig
 from test_cli import write_gguf
 from test_engine import PROMPT
 from test_heads import random_head

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import tiny_tokenizer
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import MethodConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.models import LoadedModel, load_model
 from speculant.models.gemma4_load import load_gemma4

@@ -19,15 +19,15 @@ import torch
 
 from conftest import tiny_tokenizer
 from sampled import biased_acceptance, exact_joint, exact_paths, sample_runs
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
+from speculant.methods.governor import GovernorConfig
 from speculant.heads.assistant import Assistant
-from speculant.method import MethodConfig, drafter_method
+from speculant.methods.config import MethodConfig, drafter_method
 from speculant.methods.base import DraftLengthConfig
 from speculant.models import LoadedModel
 from speculant.models.gemma4_load import load_gemma4
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 from tiny_gemma4 import VOCAB, save_assistant, save_gemma4
 
 

@@ -1,4 +1,4 @@
-"""The speculation governor (speculant/governor.py): its arm choice on measured rates, the rounds it
+"""The speculation governor (speculant/methods/governor.py): its arm choice on measured rates, the rounds it
 turns plain keep every method's greedy output identical to `ar`, and it falls back to plain decoding
 when drafting is slow but keeps speculating when speculation pays."""
 
@@ -7,14 +7,14 @@ import time
 import pytest
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.governor import Governor, GovernorConfig, GovernorMemory
-from speculant.heads.runtime import HeadsConfig
-from speculant.method import MethodConfig, parse_method
+from speculant.methods.governor import Governor, GovernorConfig, GovernorMemory
+from speculant.methods.heads import HeadsConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelDrafter
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 from test_engine import PROMPT
 from test_heads import random_head
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig, parse_method
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
+from speculant.methods.governor import GovernorConfig
 from speculant.heads.config import default_config
 from speculant.heads.formats import save_head
 from speculant.heads.modules import build_head, init_from_target
-from speculant.heads.runtime import HeadsConfig
+from speculant.methods.heads import HeadsConfig
 from speculant.methods.medusa import static_tree
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 from sampled import biased_acceptance, exact_marginals, sample_runs
 from test_engine import PENALTIES, PROMPT
 
@@ -80,7 +80,7 @@ V, RUNS = 4, 1500
     ("eagle3", SamplingConfig(1.0)),
     ("eagle2", SamplingConfig(0.8, top_k=3)),
     ("medusa", PENALTIES),
-    ("eagle3-governed", SamplingConfig(0.9)),  # plain rounds between tree rounds (governor.py)
+    ("eagle3-governed", SamplingConfig(0.9)),  # plain rounds between tree rounds (methods/governor.py)
 ])
 def test_sampled_distribution_exact(method, sampling, tmp_path):
     """Chi-square of every position against the target-only marginals (head trees are deterministic:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.errors import SpeculantError
 from speculant.training.data import DataConfig, sequences
-from speculant.heads.runtime import HeadsConfig
+from speculant.methods.heads import HeadsConfig
 from speculant.training.train import TrainConfig, train
 
 

@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from conftest import tiny_tokenizer
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import MethodConfig
+from speculant.methods.config import MethodConfig
 from speculant.models import LoadedModel, native
 from speculant.models.build import build_transformer
 from speculant.models.formats import GGMLLinear

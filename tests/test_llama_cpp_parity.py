@@ -18,9 +18,9 @@ import pytest
 import torch
 from llama_cpp_ref import greedy_tokens, convert_hf_to_gguf, llama_cpp_bin, quantize
 
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.hub import resolve_model
-from speculant.method import MethodConfig
+from speculant.methods.config import MethodConfig
 from speculant.models import LoadedModel, load_model
 
 # the tiny model borrows SmolLM2's tokenizer (a BPE the converter recognizes by its hash): real-marked

@@ -314,7 +314,7 @@ def _tokenizer_folder(folder: Path, **files: dict) -> Path:
 
 
 def test_eos_ids_from_generation_config_else_model_config(tmp_path: Path) -> None:
-    from speculant.tokenizer import Tokenizer
+    from speculant.text.tokenizer import Tokenizer
 
     both = _tokenizer_folder(tmp_path / "a", config__json={"eos_token_id": 8},
                              generation_config__json={"eos_token_id": [7, 8]})
@@ -326,7 +326,7 @@ def test_eos_ids_from_generation_config_else_model_config(tmp_path: Path) -> Non
 
 
 def test_special_tokens_map_and_template_files(tmp_path: Path) -> None:
-    from speculant.tokenizer import Tokenizer
+    from speculant.text.tokenizer import Tokenizer
 
     # transformers 4 layout: special tokens in special_tokens_map.json, template inside tokenizer_config.json
     old = _tokenizer_folder(tmp_path / "v4", special_tokens_map__json={"bos_token": "<s>", "eos_token": {"content": "</s>"}},

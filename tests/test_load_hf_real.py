@@ -19,8 +19,8 @@ import pytest
 import torch
 from parity import logit_gap, reference_greedy
 
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.hub import resolve_model
 from speculant.models import load_model
 

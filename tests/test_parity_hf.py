@@ -7,7 +7,7 @@ import pytest
 import torch
 from parity import logit_gap, reference_greedy
 
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.hub import resolve_model
 
 pytestmark = pytest.mark.real

@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
-from speculant.governor import GovernorConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.governor import GovernorConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig, window_start
 from speculant.methods.hybrid import HYBRID_DRAFT_CONTEXT
 from speculant.errors import SpeculantError
-from speculant.prefix import PASS_MAX, KeptPrefix, PromptCachePool, common_prefix, pass_starts
-from speculant.sampling import SamplingConfig
+from speculant.models.prompt_cache import PASS_MAX, KeptPrefix, PromptCachePool, common_prefix, pass_starts
+from speculant.exact.sampler import SamplingConfig
 
 SEP = 7  # the tiny tokenizer's EOS: a special token, so prefill passes start at it (as at chat messages)
 

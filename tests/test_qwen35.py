@@ -8,9 +8,9 @@ import torch
 
 from conftest import tiny_model, tiny_tokenizer
 from qwen35_tiny import VOCAB, prompt, reference, save_qwen35
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import MethodConfig
+from speculant.methods.config import MethodConfig
 from speculant.models import LoadedModel, load_model
 from speculant.models.load_qwen35 import load_qwen35
 from speculant.models.qwen35_config import is_qwen35_hf

@@ -7,13 +7,13 @@ import torch
 
 from qwen35_tiny import prompt, save_qwen35
 from sampled import biased_acceptance, exact_joint, exact_paths, sample_runs
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import MethodConfig, parse_method
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.methods.mtp import MTPDrafter
 from speculant.models import load_model
 from speculant.models.transformer import FINAL_HIDDEN
-from speculant.sampling import Sampler, SamplingConfig
+from speculant.exact.sampler import Sampler, SamplingConfig
 
 V = 4
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]

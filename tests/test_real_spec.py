@@ -2,10 +2,10 @@
 
 import pytest
 
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
 from speculant.methods.draft_model import DraftModelConfig
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 
 pytestmark = pytest.mark.real
 

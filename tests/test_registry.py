@@ -6,9 +6,9 @@ import argparse
 import pytest
 
 from speculant.cli_options import add_model_args
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import HEAD_METHODS, METHODS, MODEL_METHODS, MethodConfig, parse_method
+from speculant.methods.config import HEAD_METHODS, METHODS, MODEL_METHODS, MethodConfig, parse_method
 from speculant.methods.base import Drafter
 from speculant.methods.registry import METHOD_SPECS
 from speculant.server.app import offered_methods

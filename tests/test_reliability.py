@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from conftest import tiny_model, tiny_tokenizer
-from speculant import cli, runtime
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig, parse_method
+from speculant import cli, threads
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.methods.base import MAX_DRAFT_TOKENS, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.models import native
 from speculant.models.transformer import ROW_WISE_MAX
-from speculant.sampling import SamplingConfig
+from speculant.exact.sampler import SamplingConfig
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
 
@@ -40,14 +40,14 @@ def keep_threads():
 @pytest.mark.parametrize("bad", [0, -1, -8])
 def test_threads_zero_or_negative_is_an_error(bad, keep_threads):
     with pytest.raises(SpeculantError, match="whole number >= 1"):
-        runtime.configure_threads(bad)
+        threads.configure_threads(bad)
 
 
 @pytest.mark.parametrize("env", ["0", "-2", "two", "1.5"])
 def test_threads_env_must_be_positive_integer(env, monkeypatch, keep_threads):
     monkeypatch.setenv("SPECULANT_THREADS", env)
     with pytest.raises(SpeculantError, match="SPECULANT_THREADS must be a whole number >= 1"):
-        runtime.configure_threads()
+        threads.configure_threads()
 
 
 def test_cli_threads_zero_exits_with_message(capsys):
@@ -71,13 +71,13 @@ def _cgroup_v2(tmp_path: Path, limits: dict[str, str]) -> tuple[Path, Path]:
 
 def test_cpu_quota_cgroup_v2(tmp_path):
     root, proc = _cgroup_v2(tmp_path, {"": "max 100000", "pod": "150000 100000", "pod/app": "max 100000"})
-    assert runtime.cpu_quota(root, proc) == 1.5  # the parent's limit binds the child
+    assert threads.cpu_quota(root, proc) == 1.5  # the parent's limit binds the child
     root, proc = _cgroup_v2(tmp_path / "b", {"": "max 100000", "app": "400000 100000"})
-    assert runtime.cpu_quota(root, proc) == 4.0
+    assert threads.cpu_quota(root, proc) == 4.0
     root, proc = _cgroup_v2(tmp_path / "c", {"": "max 100000", "app": "max 100000"})
-    assert runtime.cpu_quota(root, proc) is None
+    assert threads.cpu_quota(root, proc) is None
     root, proc = _cgroup_v2(tmp_path / "d", {"app": "garbage"})
-    assert runtime.cpu_quota(root, proc) is None  # malformed: no limit, no crash
+    assert threads.cpu_quota(root, proc) is None  # malformed: no limit, no crash
 
 
 def test_cpu_quota_cgroup_v1(tmp_path):
@@ -88,21 +88,21 @@ def test_cpu_quota_cgroup_v1(tmp_path):
     (group / "cpu.cfs_period_us").write_text("100000\n")
     proc = tmp_path / "proc_cgroup"
     proc.write_text("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n")
-    assert runtime.cpu_quota(root, proc) == 2.0
+    assert threads.cpu_quota(root, proc) == 2.0
     (group / "cpu.cfs_quota_us").write_text("-1\n")
-    assert runtime.cpu_quota(root, proc) is None
+    assert threads.cpu_quota(root, proc) is None
 
 
 def test_default_threads_respect_the_cpu_quota(monkeypatch, keep_threads):
     monkeypatch.delenv("SPECULANT_THREADS", raising=False)
-    monkeypatch.setattr(runtime, "physical_cores", lambda: 16)
-    monkeypatch.setattr(runtime, "cpu_quota", lambda: 1.5)
-    assert runtime.default_threads() == 2  # a 1.5-CPU quota: 2 threads, not 16
-    assert runtime.configure_threads() == 2 and torch.get_num_threads() == 2
-    monkeypatch.setattr(runtime, "cpu_quota", lambda: 0.2)
-    assert runtime.default_threads() == 1
-    monkeypatch.setattr(runtime, "cpu_quota", lambda: None)
-    assert runtime.default_threads() == 16
+    monkeypatch.setattr(threads, "physical_cores", lambda: 16)
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 1.5)
+    assert threads.default_threads() == 2  # a 1.5-CPU quota: 2 threads, not 16
+    assert threads.configure_threads() == 2 and torch.get_num_threads() == 2
+    monkeypatch.setattr(threads, "cpu_quota", lambda: 0.2)
+    assert threads.default_threads() == 1
+    monkeypatch.setattr(threads, "cpu_quota", lambda: None)
+    assert threads.default_threads() == 16
 
 
 def test_engine_api_sets_threads_as_the_cli_does(monkeypatch, keep_threads):
@@ -112,7 +112,7 @@ def test_engine_api_sets_threads_as_the_cli_does(monkeypatch, keep_threads):
     monkeypatch.setenv("SPECULANT_THREADS", "2")
     assert Engine(target).threads == 2 and torch.get_num_threads() == 2
     monkeypatch.delenv("SPECULANT_THREADS")
-    monkeypatch.setattr(runtime, "default_threads", lambda: 1)
+    monkeypatch.setattr(threads, "default_threads", lambda: 1)
     assert Engine(target).threads == 1 and torch.get_num_threads() == 1
     with pytest.raises(SpeculantError, match=">= 1"):
         Engine(target, threads=0)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from speculant.candidates import Dist, draw, truncated
+from speculant.exact.distributions import Dist, draw, truncated
 from speculant.errors import SpeculantError
-from speculant.sampling import Sampler, SamplingConfig, top_token
+from speculant.exact.sampler import Sampler, SamplingConfig, top_token
 
 INF = float("inf")
 

@@ -22,9 +22,9 @@ import openai
 import pytest
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
-from speculant.sampling import SamplingConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
+from speculant.exact.sampler import SamplingConfig
 from speculant.server.app import ServerConfig, create_app
 from speculant.server.worker import Job
 

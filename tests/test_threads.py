@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.engine import Engine, GenerationConfig
-from speculant.method import MethodConfig
-from speculant.runtime import ThreadShare, busy_jiffies
-from speculant.sampling import SamplingConfig
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.config import MethodConfig
+from speculant.threads import ThreadShare, busy_jiffies
+from speculant.exact.sampler import SamplingConfig
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5, 9, 2, 6]
 

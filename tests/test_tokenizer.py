@@ -1,4 +1,4 @@
-"""Tests for speculant.tokenizer.
+"""Tests for speculant.text.tokenizer.
 
 Model-free tests use tiny vocabularies built here (byte-level BPE, SentencePiece, a GGUF written with
 gguf.GGUFWriter). Tests marked `real` load the default GGUF presets and check parity with transformers'
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from speculant.errors import SpeculantError
-from speculant.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata
+from speculant.text.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata
 
 TEXTS = [
     "Hello, world! How are you doing today?",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from speculant.errors import SpeculantError
-from speculant.tree import DraftTree, as_tree
+from speculant.exact.tree import DraftTree, as_tree
 from speculant.methods.base import Draft
 
 

@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from speculant.candidates import Dist, draw
-from speculant.engine import Engine, GenerationConfig
-from speculant.governor import GovernorConfig
-from speculant.method import MethodConfig, parse_method
+from speculant.exact.distributions import Dist, draw
+from speculant.decoding.engine import Engine, GenerationConfig
+from speculant.methods.governor import GovernorConfig
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.methods.base import FINAL_HIDDEN, DraftLengthConfig, Drafter
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.methods.draft_tree import DraftTreeConfig
 from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
-from speculant.sampling import SamplingConfig
-from speculant.tree import DraftTree
+from speculant.exact.sampler import SamplingConfig
+from speculant.exact.tree import DraftTree
 from sampled import exact_marginals, sample_runs
 from test_engine import PENALTIES, PROMPT
 

@@ -12,7 +12,7 @@ import torch
 import speculant.models.transformer as tr
 from speculant.models.cache import KVCache, kv_dtype as kv_dtype_of
 from speculant.models.transformer import FINAL_HIDDEN
-from speculant.tree import DraftTree
+from speculant.exact.tree import DraftTree
 
 from conftest import tiny_model
 

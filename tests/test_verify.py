@@ -4,8 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from speculant.candidates import Dist
-from speculant.verify import verify_greedy, verify_sampled
+from speculant.exact.distributions import Dist
+from speculant.exact.verify_chain import verify_greedy, verify_sampled
 
 V = 6
 

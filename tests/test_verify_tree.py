@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from speculant.candidates import Dist
-from speculant.tree import DraftTree
-from speculant.verify_tree import verify_tree_greedy, verify_tree_sampled
+from speculant.exact.distributions import Dist
+from speculant.exact.tree import DraftTree
+from speculant.exact.verify_tree import verify_tree_greedy, verify_tree_sampled
 
 V = 3
 
@@ -38,7 +38,7 @@ def test_greedy_picks_the_longest_accepted_path():
 
 
 def test_greedy_on_a_chain_equals_the_chain_rule():
-    from speculant.verify import verify_greedy
+    from speculant.exact.verify_chain import verify_greedy
 
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

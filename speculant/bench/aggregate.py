@@ -7,7 +7,7 @@ Definitions (all sums run over the prompts of one group, one method):
 - decode tokens/s: (generated tokens - 1) / decode seconds: the first token comes from the prefill.
 - speedup: tokens/s of the method / tokens/s of the reference (`ar`) on the same prompts.
 - acceptance: accepted drafts / drafted tokens. tau: tokens emitted per speculative round (1 for `ar`).
-- paused: the share of decode rounds the governor ran plain (governor.py); tau, k, c and r describe
+- paused: the share of decode rounds the governor ran plain (methods/governor.py); tau, k, c and r describe
   the speculative rounds alone.
 - draft cost c: seconds of drafting per round / seconds of one `ar` target forward.
 - Leviathan et al. (2023), with alpha = acceptance, k = drafted tokens per round, c_tok = drafting
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from ..errors import SpeculantError
-from ..stats import Stats
+from ..decoding.stats import Stats
 
 ALL = "all"
 

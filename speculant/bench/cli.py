@@ -134,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _speed(args: argparse.Namespace) -> int:
-    from ..runtime import configure_threads
+    from ..threads import configure_threads
     from .report import output_dir, publish
     from .speed import SpeedConfig
     from .speed_run import run_speed, speed_tables
@@ -162,8 +162,8 @@ def _methods(args: argparse.Namespace) -> int:
     import torch
 
     from ..cli_options import load_engine
-    from ..engine import Engine
-    from ..method import MODEL_METHODS, method_name, parse_method
+    from ..decoding.engine import Engine
+    from ..methods.config import MODEL_METHODS, method_name, parse_method
     from ..hub import resolve_model
     from .methods import MethodsConfig, chart_series, methods_tables, run_methods
     from .peers import TransformersPeers

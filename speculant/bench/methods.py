@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..engine import Engine, GenerationConfig
-from ..method import METHODS, method_name
+from ..decoding.engine import Engine, GenerationConfig
+from ..methods.config import METHODS, method_name
 from ..errors import SpeculantError
-from ..sampling import SamplingConfig
+from ..exact.sampler import SamplingConfig
 from .aggregate import ALL, Aggregate, Record, aggregate, first_difference
 from .peers import TransformersPeers
 from .prompts import Prompt

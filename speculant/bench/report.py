@@ -19,7 +19,7 @@ from rich.table import Table as RichTable
 
 from ..errors import SpeculantError
 from ..models.native import kernel_build
-from ..runtime import cpu_model
+from ..threads import cpu_model
 
 
 @dataclass(frozen=True, slots=True)

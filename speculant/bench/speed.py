@@ -25,7 +25,7 @@ from ..errors import SpeculantError
 from ..models.cache import kv_dtype
 from ..models.formats import WEIGHT_FORMATS
 from ..models.transformer import Transformer
-from ..sampling import top_token
+from ..exact.sampler import top_token
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
 DEFAULT_DTYPES = ("gguf", "int8", "float32")  # gguf only where its kernels build (see default_dtypes)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..candidates import Dist
+from ..exact.distributions import Dist
 from ..heads.assistant import Assistant
 from ..models.transformer import FINAL_HIDDEN
-from ..sampling import Sampler
+from ..exact.sampler import Sampler
 from .base import Draft, Drafter, MethodSpec, next_draft
 
 

@@ -5,7 +5,7 @@ not scored yet. It asks the drafter to `propose` up to `k` tokens that follow, t
 [pending, *draft] in one forward, verification keeps a prefix of the draft plus one token, and the
 engine calls `commit` with what was emitted so the drafter can rewind or advance its own state.
 
-Tree drafters return a `DraftTree` (speculant/tree.py) instead of a chain `Draft`: the target scores
+Tree drafters return a `DraftTree` (speculant/exact/tree.py) instead of a chain `Draft`: the target scores
 every node in the same one pass (each node sees only its ancestors) and keeps the longest accepted
 root-to-leaf path. Drafters that read the target's hidden states (Medusa, EAGLE) name the layers in
 `taps`; the engine then asks the target's forwards for them and hands the drafter the rows of the
@@ -21,12 +21,12 @@ from typing import Any
 
 from torch import Tensor
 
-from ..candidates import Dist, draw
+from ..exact.distributions import Dist, draw
 from ..models.formats import QLinear
 from ..models.transformer import FINAL_HIDDEN, Transformer
-from ..prefix import KeptPrefix
-from ..sampling import Sampler, top_token
-from ..tree import DraftTree
+from ..models.prompt_cache import KeptPrefix
+from ..exact.sampler import Sampler, top_token
+from ..exact.tree import DraftTree
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength, DraftLengthConfig
 
 
@@ -65,7 +65,7 @@ class Drafter:
         again); R >= 1. A drafter may defer work on the prompt to its first draft; then it has
         `ready()`, which the engine calls before it times a speculative round. A drafter with a prompt
         cache of its own has `finish(decoded)`, which the engine calls when a generation ends with the
-        tokens after the prompt whose keys/values the target's cache kept (prefix.py)."""
+        tokens after the prompt whose keys/values the target's cache kept (models/prompt_cache.py)."""
         raise NotImplementedError
 
     def propose(self, pending: int, k: int) -> Draft | DraftTree:
@@ -104,7 +104,7 @@ def next_draft(sampler: Sampler, logits: Tensor, prefix: list[int]) -> tuple[Ten
 class DrafterInputs:
     """What the engine hands a method's `build` for one generation."""
 
-    method: Any  # the generation's MethodConfig (method.py, which reads this registry: no import back)
+    method: Any  # the generation's MethodConfig (methods/config.py, which reads this registry: no import back)
     target: Transformer
     sampler: Sampler  # the generation's, shared with the target: draws and penalties count one context
     max_len: int  # cache slots the generation may use
@@ -127,7 +127,7 @@ class MethodSpec:
     # "draft": a draft model (--draft); "heads": heads or a published drafter, loaded once per engine by `load`
     loads: str = ""
     tree: bool = False  # verifies a tree of candidates per round
-    # the 'name:key=value' keys it takes (method.py): "chain" (draft length, lookup, draft model), "heads"
+    # the 'name:key=value' keys it takes (methods/config.py): "chain" (draft length, lookup, draft model), "heads"
     # (a tree head's nodes/depth/topk and folder), "drafter" (a chain drafter's draft length and folder)
     options: str = "chain"
     # (target LoadedModel, MethodConfig) -> (the loaded heads or drafter, what training measured of it)

@@ -11,7 +11,7 @@ trained size b (fewer rows only where the context ends), whatever k the engine's
 asks for: the rows are computed together, so k only says how many to propose. Greedy: the top token
 of each row (after logit bias and penalties, row j counting drafts 1..j-1); sampling: each row's
 distribution under the engine's sampler is q, a token drawn from it, so the chain is verified exactly
-against the target's distribution (verify.py).
+against the target's distribution (exact/verify_chain.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..candidates import Dist, draw
+from ..exact.distributions import Dist, draw
 from ..heads.dflash import DFlashModel
-from ..heads.runtime import load_dflash_drafter
+from .heads import load_dflash_drafter
 from ..models.cache import KVCache
 from ..models.rotary import tables
 from ..models.transformer import Transformer
-from ..sampling import Sampler, top_token
+from ..exact.sampler import Sampler, top_token
 from .base import Draft, Drafter, MethodSpec
 
 

@@ -18,9 +18,9 @@ import torch
 from ..errors import SpeculantError
 from ..models.formats import QLinear
 from ..models.transformer import Transformer
-from ..prefix import KeptPrefix
-from ..candidates import Dist, draw
-from ..sampling import Sampler, top_token
+from ..models.prompt_cache import KeptPrefix
+from ..exact.distributions import Dist, draw
+from ..exact.sampler import Sampler, top_token
 from .base import Draft, Drafter, DrafterInputs, MethodSpec
 
 CONTEXT_STEP = 64  # the draft's prompt window (DraftModelConfig.context) starts at multiples of this

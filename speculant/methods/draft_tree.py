@@ -7,8 +7,8 @@ is its choice, and the round keeps one more token; the draft pays nothing extra 
 the target scores width x the rows in its one pass (SpecInfer's token tree, the cheapest kind).
 
 Exactness: a sibling is the top of the draft's row minus the chain token, a function of the context
-and the tokens drawn before it, so its q is one-hot (tree.py); the chain tokens keep the q they
-were sampled from. Greedy output equals `ar` (verify_tree.py takes the longest accepted path).
+and the tokens drawn before it, so its q is one-hot (exact/tree.py); the chain tokens keep the q they
+were sampled from. Greedy output equals `ar` (exact/verify_tree.py takes the longest accepted path).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..candidates import Dist
+from ..exact.distributions import Dist
 from ..errors import SpeculantError
-from ..tree import DraftTree
+from ..exact.tree import DraftTree
 from .base import MAX_DRAFT_TOKENS, Drafter, MethodSpec
 from .draft_model import DraftModelDrafter, build
 

@@ -12,7 +12,7 @@ cumulative log-probability are expanded in one head pass (each attends to the co
 ancestors), each proposing its `topk` best children; finally all nodes are reranked by cumulative
 log-probability and the best `nodes` kept (a node never outranks its parent, so the kept set is a
 tree). The nodes are a function of the context alone (top-k, no draws), so the tree is exact for
-sampling with q = None (tree.py).
+sampling with q = None (exact/tree.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from torch import Tensor
 
 from ..heads.layer import attend, rope_tables_for
 from ..heads.modules import EagleHead
-from ..heads.runtime import HeadsConfig, load_heads
+from .heads import HeadsConfig, load_heads
 from ..models.cache import KVCache
 from ..models.transformer import Transformer
-from ..tree import DraftTree
+from ..exact.tree import DraftTree
 from .base import Drafter, DrafterInputs, MethodSpec
 
 

@@ -6,12 +6,12 @@ pattern with different arguments), so the latest occurrence is often the wrong o
 keeps the last `branches` occurrences of every n-gram, takes the continuations of the longest
 n-grams first and the most recent occurrences first, and merges them into a trie under pending:
 shared prefixes cost one node, and the target checks every branch in its one pass
-(tree_round.py), keeping the longest accepted one.
+(decoding/tree_round.py), keeping the longest accepted one.
 
 Continuations are cut at a depth that follows the draft-length heuristic (+2 after a round that
 accepted a deepest path, -1 otherwise, within 1..`depth`), so rounds where copies fail stop paying
 for long branches. Every node is a function of the context alone, so the tree is deterministic
-(q = None): exact under greedy decoding and sampling alike (verify_tree.py).
+(q = None): exact under greedy decoding and sampling alike (exact/verify_tree.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeculantError
-from ..tree import DraftTree
+from ..exact.tree import DraftTree
 from .base import MAX_DRAFT_TOKENS, Drafter, MethodSpec
 from .lookup import LookupConfig, NgramIndex
 

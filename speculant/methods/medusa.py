@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from ..heads.modules import MedusaHeads
-from ..heads.runtime import HeadsConfig, load_heads
+from .heads import HeadsConfig, load_heads
 from ..models.transformer import FINAL_HIDDEN
-from ..tree import DraftTree
+from ..exact.tree import DraftTree
 from .base import Drafter, MethodSpec
 
 # Rank hit rates assumed for heads that come without measured ones (imported checkpoints):

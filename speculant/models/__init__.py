@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SpeculantError
 from ..gguf_file import GGUFTensor
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .build import build_transformer
 from .calibration import CALIBRATION_TEXT
 from .cache import KVCache

@@ -24,7 +24,7 @@ from .formats.base import QLinear
 from .gemma4_config import Gemma4Config
 from .keys import pass_layout, tree_keys, window_keys
 from .rotary import _rope, tables
-from .transformer import ROW_WISE_MAX, Output, Transformer, geglu, rms_norm
+from .transformer import Output, Transformer, geglu, rms_norm
 
 
 def _param(t: Tensor) -> nn.Parameter:
@@ -177,9 +177,11 @@ class Gemma4Model(Transformer):
                 head: QLinear | None = None) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
-        if mask is None and S > ROW_WISE_MAX and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
-            return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
-        positions, mask, tree, row_wise = pass_layout(S, start, end, positions, mask, tokens.device)
+        route = self.route(S, mask, tokens.device)  # no fused blocks: "rows", "sdpa" or "chunked"
+        if route == "chunked":
+            return self._chunked(tokens, cache, positions, taps, logit_rows, head, self.prefill_chunk())
+        row_wise = route == "rows"
+        positions, mask, tree = pass_layout(S, start, end, positions, mask, tokens.device, row_wise)
         full_seen = tree_keys(mask, start, tokens.device) if tree and row_wise else None
         w_mask, w_seen = window_keys(self.cfg.sliding_window, mask, row_wise, start, positions)
         rope = {False: (self.cos[positions], self.sin[positions]),

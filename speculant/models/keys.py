@@ -7,7 +7,6 @@ import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
-from .formats.base import SHORT_PASS_MAX
 
 
 def tree_keys(mask: Tensor, start: int, device: torch.device) -> list[Tensor]:
@@ -41,21 +40,20 @@ def window_keys(window: int, mask: Tensor | None, row_wise: bool, start: int,
 
 
 def pass_layout(S: int, start: int, end: int, positions: Tensor | None, mask: Tensor | None,
-                device: torch.device) -> tuple[Tensor, Tensor | None, bool, bool]:
-    """(positions, mask, tree, row_wise) of a pass of S tokens at cache slots start..end-1 (the route table in
-    transformer.py's docstring; its ROW_WISE_MAX is SHORT_PASS_MAX): row-wise passes keep a tree's [S, S] mask (or none); the others get the [1, 1, S, L+S]
-    mask over every slot that SDPA takes."""
+                device: torch.device, row_wise: bool) -> tuple[Tensor, Tensor | None, bool]:
+    """(positions, mask, tree) of a pass of S tokens at cache slots start..end-1 on the route that
+    `Transformer.route` chose: row-wise passes ("fused", "rows") keep a tree's [S, S] mask (or none); the
+    others get the [1, 1, S, L+S] mask over every slot that SDPA takes."""
     if positions is None:
         positions = torch.arange(start, end, device=device)
     tree = mask is not None and tuple(mask.shape) == (S, S)
     if mask is not None and not tree and tuple(mask.shape) != (S, end):
         raise SpeculantError(f"attention mask must be [{S}, {S}] (over the pass) or [{S}, {end}] (over every "
                              f"slot), got {list(mask.shape)}")
-    row_wise = S <= SHORT_PASS_MAX and (mask is None or tree)
     if not row_wise:
         if mask is None:  # causal over the cache: new token i sees slots [0, start + i]
             mask = torch.ones(S, end, dtype=torch.bool, device=device).tril_(start)
         elif tree:  # the committed slots, then the tree's own rows
             mask = torch.cat([mask.new_ones(S, start), mask], 1)
         mask = mask.to(torch.bool)[None, None]  # [1, 1, S, L+S]
-    return positions, mask, tree, row_wise
+    return positions, mask, tree

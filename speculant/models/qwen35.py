@@ -159,7 +159,7 @@ class Qwen35Block(nn.Module):
 class Qwen35Model(nn.Module):
     """Transformer's interface (forward, new_cache, device, lm_head, embed, ...) over Qwen3.5's blocks."""
 
-    recurrent = True  # its cache holds recurrent states: chains only, no prompt reuse (prefix.py)
+    recurrent = True  # its cache holds recurrent states: chains only, no prompt reuse (models/prompt_cache.py)
 
     def __init__(self, cfg: Qwen35Config, embed: Tensor | nn.Module, blocks: list[Qwen35Block], norm: Tensor,
                  lm_head: QLinear) -> None:

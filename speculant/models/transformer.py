@@ -5,7 +5,7 @@ The forward pass is the contract every decoding method builds on:
     forward(tokens[S], cache, positions[S] | None, mask[S, L+S] | None, taps) -> Output(logits, taps)
 
 - `tokens` are S new tokens, written to the cache at slots cache.length.. (then length += S).
-- `positions` are their rotary positions (default: their slots). Trees of drafts (speculant/tree.py)
+- `positions` are their rotary positions (default: their slots). Trees of drafts (speculant/exact/tree.py)
   pass explicit positions (base + depth) and a boolean `mask` [S, S] over the pass's own rows (True =
   attend; the L committed slots are always visible). A mask [S, L+S] over every slot is the general
   form (SDPA).
@@ -18,14 +18,15 @@ drafting for itself, a server with several sessions). Linear layers are `QLinear
 the float32 reference or a block format, swapped without touching this file; the embedding table is
 a float tensor or a module that dequantizes rows on lookup (GGML formats).
 
-Which route a forward takes (S = tokens in the pass):
+Which route a forward takes (S = tokens in the pass) is chosen in one place, `Transformer.route` (Gemma 4
+inherits it; Qwen3.5's recurrent forward takes only "rows" and "sdpa", by S alone):
 
-| pass | when | attention | linear layers |
+| route | when | attention | linear layers |
 |---|---|---|---|
-| fused C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], all linears GGML, x86 kernels built (every architecture) | row-wise in C | gq.c integer kernel |
-| row-wise | S <= ROW_WISE_MAX otherwise (float32, int8) | row-wise: `attn_rows_ex` in C where built (sliding windows by position), else torch per row | the format's kernel |
-| SDPA | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (block types: gq_gemm on x86 builds) |
-| chunked prefill | causal S > prefill_chunk() on the CPU | ROW_WISE_MAX rows a pass, fused, where the "fused" prefill route leads; else PREFILL_CHUNK, SDPA | as that route |
+| "fused": C blocks (`fused.py`, `kernels/blocks.c`) | S <= ROW_WISE_MAX, no mask or a tree mask [S, S], `fused_blocks()` built: CPU, x86 kernels, all linears GGML, head and row sizes multiples of 8 | row-wise in C | gq.c integer kernel |
+| "rows" | S <= ROW_WISE_MAX, no mask or a tree mask, no fused blocks (float32, int8, GPU, Gemma 4) | row-wise: `attn_rows_ex` in C on the CPU where built and head size % 8 == 0 (sliding windows by position), else torch per row | the format's kernel (GGML: `rows`, as M <= SHORT_PASS_MAX) |
+| "sdpa" | S > ROW_WISE_MAX, or a mask [S, L+S] | `F.scaled_dot_product_attention` | the format's kernel; GGML by `prefill_routes()` (block types: gq_gemm on x86 builds) |
+| "chunked" | causal S > prefill_chunk() on the CPU | passes of prefill_chunk() tokens: ROW_WISE_MAX a pass ("fused") where the fused prefill route leads `prefill_routes()`, else PREFILL_CHUNK ("sdpa") | as that route |
 
 Short passes (the first two rows) are batch-invariant: a token's logits are bit-identical whether it
 is scored alone or with drafted tokens, and a tree node's whether it is scored in the tree or on its
@@ -274,9 +275,11 @@ class Transformer(nn.Module):
     ) -> Output:
         S = tokens.shape[0]
         start, end = cache.reserve(S)
-        if mask is None and S > ROW_WISE_MAX and tokens.device.type == "cpu" and S > (chunk := self.prefill_chunk()):
-            return self._chunked(tokens, cache, positions, taps, logit_rows, head, chunk)
-        positions, mask, tree, row_wise = pass_layout(S, start, end, positions, mask, tokens.device)
+        route = self.route(S, mask, tokens.device)
+        if route == "chunked":
+            return self._chunked(tokens, cache, positions, taps, logit_rows, head, self.prefill_chunk())
+        row_wise = route in ("fused", "rows")
+        positions, mask, tree = pass_layout(S, start, end, positions, mask, tokens.device, row_wise)
         cos, sin = self.cos[positions], self.sin[positions]  # [S, hd/2]
         x = self.embed(tokens)  # [S, D]
         if self.cfg.embed_scale is not None:
@@ -288,9 +291,8 @@ class Transformer(nn.Module):
             tables[ROPE_TABLES.index("local")] = (self.cos_local[positions], self.sin_local[positions])
         if any(self.cfg.nope_layers):  # cos 1, sin 0: the rotary leaves q and k exactly as they are
             tables[ROPE_TABLES.index("none")] = (torch.ones_like(cos), torch.zeros_like(sin))
-        fused = self.fused_blocks() if row_wise else None
-        if fused is not None:
-            x, tapped = fused(x, cache, start, tables, positions if local else None, mask, taps)
+        if route == "fused":
+            x, tapped = self.fused_blocks()(x, cache, start, tables, positions if local else None, mask, taps)
         else:
             tapped = {}
             # the CPU reads the mask row by row for free; a GPU would wait for its queue at every read
@@ -323,6 +325,15 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return Output(logits, tapped)
 
+    def route(self, S: int, mask: Tensor | None, device: torch.device) -> str:
+        """The route of a pass of S tokens: "fused", "rows", "sdpa" or "chunked" (the table in this module's
+        docstring). Every condition that picks a forward's route is here; `pass_layout` shapes the mask for it."""
+        if mask is None and S > ROW_WISE_MAX and device.type == "cpu" and S > self.prefill_chunk():
+            return "chunked"
+        if S > ROW_WISE_MAX or (mask is not None and tuple(mask.shape) != (S, S)):
+            return "sdpa"
+        return "fused" if self.fused_blocks() is not None else "rows"
+
     def prefill_chunk(self) -> int:
         """Tokens per pass of a long causal pass on the CPU: short passes through the fused blocks where
         that route leads this CPU's prefill routes (formats/ggml.py: prefill_routes), else PREFILL_CHUNK."""
@@ -333,7 +344,7 @@ class Transformer(nn.Module):
     def batch_invariant_prompts(self) -> bool:
         """Whether a prompt's passes compute each row as decoding it token by token would (the fused prefill
         route): the keys/values of any prefix of a prompt, or of tokens decoded after it, are then those a
-        prefill of them would write, bit for bit (prefix.py reuses them)."""
+        prefill of them would write, bit for bit (models/prompt_cache.py reuses them)."""
         return self.device.type == "cpu" and self.prefill_chunk() == ROW_WISE_MAX
 
     def _chunked(self, tokens: Tensor, cache: KVCache, positions: Tensor | None, taps: tuple[int, ...],

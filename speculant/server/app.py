@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..engine import Engine
+from ..decoding.engine import Engine
 from ..errors import SpeculantError
-from ..method import HEAD_METHODS, METHODS, MODEL_METHODS
+from ..methods.config import HEAD_METHODS, METHODS, MODEL_METHODS
 from ..methods.registry import METHOD_SPECS
 from .metrics import Metrics
 from .responses import APIError

@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..engine import Engine, GenerationConfig
-from ..sampling import SamplingConfig
+from ..decoding.engine import Engine, GenerationConfig
+from ..exact.sampler import SamplingConfig
 from .app import ServerConfig, create_app, offered_methods
 
 SYSTEM = "You are a concise assistant."

@@ -8,8 +8,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine import Chunk
-from ..stats import Stats
+from ..decoding.engine import Chunk
+from ..decoding.stats import Stats
 
 
 class APIError(Exception):

@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse, PlainTextResponse, Response
 
 from ..errors import SpeculantError
 from ..heads.store import default_name
-from ..method import HEAD_METHODS
+from ..methods.config import HEAD_METHODS
 from .requests import authorize, read_body
 from .responses import APIError
 from .schemas import ChatRequest, CompletionRequest
@@ -83,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
     if tok.chat_template is None:
         raise APIError(400, f"the model '{svc.cfg.model_id}' has no chat template; use /v1/completions",
                        code="no_chat_template")
-    try:  # the template runs in jinja2's immutable sandbox (tokenizer.py)
+    try:  # the template runs in jinja2's immutable sandbox (text/tokenizer.py)
         text = tok.apply_chat_template([m.as_template_dict() for m in req.messages])
     except SpeculantError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None

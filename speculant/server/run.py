@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from ..engine import Engine
+from ..decoding.engine import Engine
 from ..errors import SpeculantError
 from .app import ServerConfig, create_app
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from ..errors import SpeculantError
-from ..sampling import MIN_TEMPERATURE, SamplingConfig
+from ..exact.sampler import MIN_TEMPERATURE, SamplingConfig
 from .responses import APIError
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import Chunk, Done, Engine, GenerationConfig
+from ..decoding.engine import Chunk, Done, Engine, GenerationConfig
 from ..errors import SpeculantError
 from .metrics import Metrics
 from .responses import APIError, Reply, sse, stats_extension

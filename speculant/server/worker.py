@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine import Chunk, Done, Engine, GenerationConfig
+from ..decoding.engine import Chunk, Done, Engine, GenerationConfig
 from ..errors import SpeculantError
-from ..prefix import PromptCachePool
+from ..models.prompt_cache import PromptCachePool
 
 log = logging.getLogger("speculant.server")
 

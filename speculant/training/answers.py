@@ -76,8 +76,8 @@ def answer(target, prompts: list[str], cfg: AnswerConfig, folder: Path, deadline
            tick: Callable[[int], None] = lambda n: None) -> list[Path]:
     """One document per prompt in `folder` (those already there are kept); stops when `deadline`
     (time.monotonic()) passes. Returns the documents, in prompt order."""
-    from ..engine import Engine, GenerationConfig
-    from ..method import MethodConfig
+    from ..decoding.engine import Engine, GenerationConfig
+    from ..methods.config import MethodConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     engine = Engine(target, method=MethodConfig("lookup"))

@@ -48,7 +48,7 @@ def add_heads_parsers(sub) -> None:
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
     from ..models import load_model
-    from ..runtime import configure_threads
+    from ..threads import configure_threads
     from ..heads.store import default_name, heads_dir
     from .answers import AnswerConfig, read_prompts
     from .data import DataConfig, default_sources, expand

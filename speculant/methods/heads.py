@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import SpeculantError
-from ..methods.base import MAX_DRAFT_TOKENS
-from .dflash import DFlashModel, is_dflash, load_dflash
-from .dflash_gguf import read_dflash_gguf
-from .formats import _read_config, _read_tensors, load_head
-from .gguf_drafter import is_gguf
-from .layer import inference_format, quantize_linears
+from .base import MAX_DRAFT_TOKENS
+from ..heads.dflash import DFlashModel, is_dflash, load_dflash
+from ..heads.dflash_gguf import read_dflash_gguf
+from ..heads.formats import _read_config, _read_tensors, load_head
+from ..heads.gguf_drafter import is_gguf
+from ..heads.layer import inference_format, quantize_linears
 from ..models.formats import QLinear
-from .modules import EagleHead, MedusaHeads, for_inference, init_from_target
-from .store import resolve_heads
+from ..heads.modules import EagleHead, MedusaHeads, for_inference, init_from_target
+from ..heads.store import resolve_heads
 
 
 @dataclass(frozen=True, slots=True)

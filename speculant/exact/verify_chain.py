@@ -1,7 +1,7 @@
 """Verification of drafted tokens: where speculative decoding's exactness lives.
 
 Pure tensor functions, fixed output shapes, no host syncs (the caller reads the result once).
-Distributions come as `Dist`s, their candidate tokens only (candidates.py).
+Distributions come as `Dist`s, their candidate tokens only (exact/distributions.py).
 Names follow the papers: p = target distribution, q = draft distribution, k = drafted tokens.
 
 Chain rule (Leviathan et al. 2023; Chen et al. 2023): drafted token x_i is accepted with
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .candidates import Dist, draw
-from .sampling import top_token
+from .distributions import Dist, draw
+from .sampler import top_token
 
 
 def verify_greedy(draft: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:

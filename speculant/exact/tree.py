@@ -10,7 +10,7 @@ The target scores [pending, *tokens] in one forward: row 0 is pending, row 1 + i
 of its own ancestors (itself included), so its logits are those of the path to node i scored as a
 plain chain (`ancestor_mask`, `positions`). The rows are pass rows, `node + 1` everywhere below.
 
-Exactness of sampled trees rests on `q` (verify_tree.py has the proof):
+Exactness of sampled trees rests on `q` (exact/verify_tree.py has the proof):
 - q row i is the distribution node i's token was drawn from, *given everything drawn before it*:
   for siblings drawn one after another from the parent's draft distribution r, that is r itself
   when drawn with replacement (i.i.d., SpecInfer), and r with the earlier siblings' tokens removed
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .candidates import Dist
-from .errors import SpeculantError
+from .distributions import Dist
+from ..errors import SpeculantError
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ One round: the drafter proposes k tokens after `pending` (the last emitted, not 
 the target scores [pending, *draft] in one forward; `verify` keeps n drafts plus one token; both
 caches are rolled back to the committed length. The host syncs of a round: reading (n, tokens)
 once after verification and, when sampling, the sampler's check that its candidates hold the cut
-(candidates.py). Target and drafter share one `Sampler` (sampling.py), so p and q are the same
+(exact/distributions.py). Target and drafter share one `Sampler` (exact/sampler.py), so p and q are the same
 transform of their logits, penalties included.
 """
 
@@ -21,24 +21,24 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import Chunk, Done, GenerationConfig, Output
-from .errors import SpeculantError
-from .governor import Governor, GovernorMemory
-from .method import MODEL_METHODS, MethodConfig
-from .methods.base import MAX_DRAFT_TOKENS, Draft, DraftLength, Drafter, DrafterInputs
-from .methods.draft_model import reduced_head
-from .methods.registry import METHOD_SPECS
-from .heads.runtime import heads_thread_invariant
-from .models import LoadedModel
-from .models.cache import KVCache
-from .models.transformer import Transformer
-from .prefix import KeptPrefix, PromptCache
-from .runtime import ThreadShare, configure_threads, threads_fixed
-from .sampling import Sampler
+from ..errors import SpeculantError
+from ..methods.governor import Governor, GovernorMemory
+from ..methods.config import MODEL_METHODS, MethodConfig
+from ..methods.base import MAX_DRAFT_TOKENS, Draft, DraftLength, Drafter, DrafterInputs
+from ..methods.draft_model import reduced_head
+from ..methods.registry import METHOD_SPECS
+from ..methods.heads import heads_thread_invariant
+from ..models import LoadedModel
+from ..models.cache import KVCache
+from ..models.transformer import Transformer
+from ..models.prompt_cache import KeptPrefix, PromptCache
+from ..threads import ThreadShare, configure_threads, threads_fixed
+from ..exact.sampler import Sampler
 from .stats import Stats
-from .tree import DraftTree
+from ..exact.tree import DraftTree
 from .tree_round import tree_round
-from .verify import verify_greedy, verify_sampled
-from .vocab import check_compatible
+from ..exact.verify_chain import verify_greedy, verify_sampled
+from ..methods.draft_vocab import check_compatible
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
         self._head_stats: dict = {}
         if spec.load is not None:
             self._head, self._head_stats = spec.load(target, self.method)
-        # unless fixed, fewer threads while other processes keep the CPUs busy (runtime.py), where no logits
+        # unless fixed, fewer threads while other processes keep the CPUs busy (threads.py), where no logits
         # depend on the thread count: the target's, the draft model's (its q and drafts) and a head's (its trees)
         adapt = (not threads_fixed(threads) and target.model.device.type == "cpu" and target.model.thread_invariant()
                  and (draft is None or spec.loads != "draft" or draft.model.thread_invariant())
@@ -97,7 +97,7 @@ class Engine:
         """A prompt cache for a conversation: pass it to every `stream()` of it (one at a time).
 
         With it, a prompt that extends an earlier one prefills only what follows their shared prefix;
-        the output is the same as without it (prefix.py says why). `reuse=False` keeps the caches
+        the output is the same as without it (models/prompt_cache.py says why). `reuse=False` keeps the caches
         allocated but prefills every prompt in full.
         """
         draft = None
@@ -222,7 +222,7 @@ class Engine:
 
     def _begin(self, ids: list[int], gen: GenerationConfig, cache: PromptCache | None) -> "_Run":
         """One generation's state: its caches, sampler, drafter, governor, draft-length policy and output."""
-        # tree drafters (tree.py) declare their nodes per round, chains follow the draft-length policy
+        # tree drafters (exact/tree.py) declare their nodes per round, chains follow the draft-length policy
         k_max = 0 if self.method.name == "ar" else max(self.method.draft_length.max_k, MAX_DRAFT_TOKENS)
         max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
         kept = cache or self.prompt_cache(reuse=False)
@@ -230,7 +230,7 @@ class Engine:
         sampler = Sampler(gen.sampling, self.target.config.vocab_size, self.target.model.device)
         sampler.start(ids)
         drafter = self._drafter(sampler, max_len, kept.draft, kept.target)
-        # speculative or plain rounds, whichever is measured faster (governor.py)
+        # speculative or plain rounds, whichever is measured faster (methods/governor.py)
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(gen.sampling),
                             self._governor_memory)
         # the auto draft length reads the clock where the governor may (draft_length.py)
@@ -272,7 +272,7 @@ class Engine:
         return new, kd, n
 
     def _tree_round(self, r: "_Run", pending: int, draft: DraftTree) -> tuple[list[int], int, int]:
-        """Every node of the tree in one pass, the accepted path kept (tree_round.py)."""
+        """Every node of the tree in one pass, the accepted path kept (decoding/tree_round.py)."""
         t = tree_round(r.model, r.cache, r.sampler, pending, draft, r.taps)
         new, kd, n = t.tokens, draft.size, len(t.tokens) - 1
         r.sampler.push(new)
@@ -281,7 +281,7 @@ class Engine:
         return new, kd, n
 
     def _end(self, r: "_Run") -> Iterator[Chunk | Done]:
-        # a conversation's next prompt may reuse them (prefix.py)
+        # a conversation's next prompt may reuse them (models/prompt_cache.py)
         r.kept.target.keep_decoded(r.decoded[:-1])
         if r.drafter is not None:
             r.drafter.finish(r.decoded[:-1])

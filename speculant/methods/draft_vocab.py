@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import SpeculantError
+from ..errors import SpeculantError
 
 if TYPE_CHECKING:
-    from .models import LoadedModel
+    from ..models import LoadedModel
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SpeculantError
-from .models import KVCache, Transformer
+from ..errors import SpeculantError
+from .cache import KVCache
+from .transformer import Transformer
 
 PASS_MAX = 384  # rows per prefill pass at most (the transformer's own prefill chunk on the CPU)
 

@@ -4,7 +4,7 @@ Concept: a model's tokenizer is rebuilt as a `tokenizers.Tokenizer` either from 
 embeds (llama.cpp's `tokenizer.ggml.*` keys: vocabulary, merges, token types, special ids and the
 pre-tokenizer name) or from a Hugging Face folder (`tokenizer.json` + `tokenizer_config.json`). On top
 of it, `Tokenizer` knows the model's BOS policy, its stop tokens (`eos_ids`) and its chat template,
-which is rendered as transformers renders it, in a locked-down sandbox (`chat_template.py`). Generated ids are
+which is rendered as transformers renders it, in a locked-down sandbox (`text/chat_template.py`). Generated ids are
 turned into text with an `IncrementalDetokenizer`, which decodes only a short window of recent
 tokens and never emits half of a multi-byte character.
 """
@@ -22,7 +22,7 @@ import jinja2
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from speculant.chat_template import ChatTemplate
+from speculant.text.chat_template import ChatTemplate
 from speculant.errors import SpeculantError
 
 # Pre-tokenizer split patterns, as in the models' own tokenizer.json files.
@@ -293,6 +293,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, object]:
     """Decoded key -> value metadata of a GGUF file: strings, Python numbers/bools, lists for arrays."""
-    from .gguf_file import GGUFFile
+    from ..gguf_file import GGUFFile
 
     return GGUFFile(path).fields

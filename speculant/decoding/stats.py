@@ -15,7 +15,7 @@ class Stats:
     decode_seconds: float = 0.0
     target_forwards: int = 0  # the prefill included
     rounds: int = 0  # speculative decode rounds, one target forward each
-    paused_rounds: int = 0  # plain rounds the governor chose (governor.py), also one target forward each
+    paused_rounds: int = 0  # plain rounds the governor chose (methods/governor.py), also one target forward each
     paused_seconds: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .candidates import Dist, draw, truncated
-from .errors import SpeculantError
+from .distributions import Dist, draw, truncated
+from ..errors import SpeculantError
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / temperature overflow float32; 0 is greedy
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .errors import SpeculantError
+from ..errors import SpeculantError
 from .governor import GovernorConfig
-from .heads.runtime import HeadsConfig
-from .methods.base import DraftLengthConfig
-from .methods.draft_model import DraftModelConfig
-from .methods.draft_tree import DraftTreeConfig
-from .methods.hybrid import HybridConfig
-from .methods.lookup import LookupConfig
-from .methods.lookup_tree import LookupTreeConfig
-from .methods.registry import METHOD_SPECS
+from .heads import HeadsConfig
+from .base import DraftLengthConfig
+from .draft_model import DraftModelConfig
+from .draft_tree import DraftTreeConfig
+from .hybrid import HybridConfig
+from .lookup import LookupConfig
+from .lookup_tree import LookupTreeConfig
+from .registry import METHOD_SPECS
 
 METHODS = tuple(METHOD_SPECS)
 # drafters on the target's hidden states: trained heads or published drafters (speculant/heads)
@@ -89,8 +89,8 @@ def drafter_method(path: str, base: MethodConfig | None = None) -> MethodConfig:
     `Engine(load_model(...), method=drafter_method(PATH))`."""
     from pathlib import Path
 
-    from .heads.formats import head_method
-    from .heads.gguf_drafter import is_gguf
+    from ..heads.formats import head_method
+    from ..heads.gguf_drafter import is_gguf
 
     where = Path(path).expanduser()
     if not (where / "config.json").is_file() and not is_gguf(where):

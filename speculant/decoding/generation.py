@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .errors import SpeculantError
-from .sampling import SamplingConfig
+from ..errors import SpeculantError
+from ..exact.sampler import SamplingConfig
 from .stats import Stats
 
 

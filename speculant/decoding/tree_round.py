@@ -2,7 +2,7 @@
 
 The target scores [pending, *nodes] with each node's ancestor mask and depth positions
 (models/transformer.py: bit-identical to the node's path scored as a chain), the verdict
-(verify_tree.py) picks the path, and `KVCache.keep` moves the path's keys/values to consecutive
+(exact/verify_tree.py) picks the path, and `KVCache.keep` moves the path's keys/values to consecutive
 slots: the cache then holds exactly what `ar` would have written. The sampler's penalties count
 each row's own ancestors (`Sampler.adjust(paths=)`). Host syncs: the drafted tokens when penalties
 are on, the sampler's candidate check when sampling, and one read of the verdict.
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .models.cache import KVCache
-from .models.transformer import Transformer
-from .sampling import Sampler
-from .tree import DraftTree
-from .verify_tree import verify_tree_greedy, verify_tree_sampled
+from ..models.cache import KVCache
+from ..models.transformer import Transformer
+from ..exact.sampler import Sampler
+from ..exact.tree import DraftTree
+from ..exact.verify_tree import verify_tree_greedy, verify_tree_sampled
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import SpeculantError
-from .sampling import SamplingConfig
+from ..errors import SpeculantError
+from ..exact.sampler import SamplingConfig
 
 GOVERNOR_MODES = ("auto", "on", "off")
 

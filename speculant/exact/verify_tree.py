@@ -1,6 +1,6 @@
-"""Verification of a tree of drafts (speculant/tree.py): the longest path the target accepts.
+"""Verification of a tree of drafts (speculant/exact/tree.py): the longest path the target accepts.
 
-Pure tensor functions with fixed output shapes and no host syncs, like verify.py; the tree's shape
+Pure tensor functions with fixed output shapes and no host syncs, like exact/verify_chain.py; the tree's shape
 is host data (the drafter built it), its tokens and the target's rows are tensors. Pass rows: 0 =
 pending, 1 + i = node i; row r's distribution p_r scores the token after row r.
 
@@ -15,7 +15,7 @@ target distribution p and children c_1, c_2, ... (in node order) drawn with dist
 p <- norm(max(0, p - q_j)) and try c_{j+1}; when every child is rejected, draw from p.
 
 Why it is exact: q_j must be the distribution x_j was drawn from *given everything drawn before
-it* (tree.py's convention). Claim: from child j on, the emitted token is distributed as p_j.
+it* (exact/tree.py's convention). Claim: from child j on, the emitted token is distributed as p_j.
 With no child left it is a draw from p_j. Otherwise x_j ~ q_j given the past, and the standard
 speculative-sampling step gives P(emit x) = min(p_j(x), q_j(x)) + P(reject) * p_{j+1}(x) with
 P(reject) = sum max(0, p_j - q_j), which is p_j(x) when the rest emits p_{j+1} (induction; the
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .candidates import Dist, draw
-from .sampling import top_token
+from .distributions import Dist, draw
+from .sampler import top_token
 from .tree import DraftTree
 
 
