@@ -165,3 +165,120 @@ def test_mtp_is_the_default_method_of_a_gguf_that_ships_it(files, tmp_path, caps
         outs.append((out, json.loads(err.strip().splitlines()[-1])))
     assert outs[0][1]["method"] == "mtp" and outs[0][1]["drafted_tokens"] > 0
     assert outs[0][0] == outs[1][0]
+
+
+# ---------------------------------------------------------------- (d) llama-speculative-simple --spec-type draft-mtp
+def _llama_mtp_rounds(bin_dir: Path, gguf: Path, prompt: str) -> tuple[str, list[tuple[list[int], int, list[dict]]], int, int]:
+    """(printed text, rounds as (K drafts, accepted, each draft's top candidates id -> probability), n_drafted,
+    n_accept) of one greedy llama-speculative-simple run with MTP chains of K drafts (-v prints the candidates and
+    each round's accepted count); every KV cache f32."""
+    args = [bin_dir / "llama-speculative-simple", "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", K,
+            "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt, "-v",
+            "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
+                          timeout=RUN_TIMEOUT_S)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    rounds, steps = [], []
+    for line in out.splitlines():
+        if c := re.search(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", line):
+            i, pos, tok, prob = int(c[1]), int(c[2]), int(c[3]), float(c[4])
+            if i == 0 and pos == len(steps):
+                steps.append({})
+            steps[pos][tok] = prob
+        elif a := re.search(r"accepted (\d+)/(\d+) draft tokens", line):
+            rounds.append(([max(s, key=s.get) for s in steps], int(a[1]), steps))
+            steps = []
+    counts = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
+    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
+
+
+def test_mtp_rounds_against_llama_speculative_simple(files, loaded, bin_dir, monkeypatch):
+    """Both in the same state before their first round: llama-speculative-simple drafts from its prompt's last token
+    (the target has run the rest), speculant after its prefill from the token that prefill chose; so llama.cpp gets
+    the prompt with that first token appended. Then round by round the K drafts and the accepted counts must be equal
+    (a differing draft only at a near-tie of llama.cpp's probabilities, after which the runs part)."""
+    model = loaded("f32", "float32", "f32")
+    ids = model.tokenizer.encode(PROMPT)
+    chains, counts = [], []
+    propose, record = MTPDrafter.propose, Stats.record_round
+    monkeypatch.setattr(MTPDrafter, "propose", lambda self, p, k: (d := propose(self, p, k), chains.append(d.tokens.tolist()))[0])
+    monkeypatch.setattr(Stats, "record_round", lambda self, d, a: (counts.append(a), record(self, d, a))[1])
+    method = parse_method(f"mtp:k={K},schedule=fixed,governor=off")
+    done = Engine(model, method=method).generate(ids, GenerationConfig(max_new_tokens=N + 1, ignore_eos=True))
+    prompt = PROMPT + model.tokenizer.decode([done.token_ids[0]])
+    assert model.tokenizer.encode(prompt) == ids + [done.token_ids[0]]
+    text, theirs, drafted, accepted = _llama_mtp_rounds(bin_dir, files["f32"], prompt)
+    assert model.tokenizer.decode(ids + done.token_ids) in text  # the same greedy text
+    s = done.stats
+    print(f"\nllama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds {[r[1] for r in theirs]}; "
+          f"speculant drafted {s.drafted_tokens} accepted {s.accepted_tokens} in {s.rounds} rounds {counts}")
+    same = 0
+    for ours, n_ours, (chain, n_theirs, cands) in zip(chains, counts, theirs):
+        if len(ours) < K:  # speculant's last rounds draft fewer (max_new_tokens); llama.cpp's do not
+            break
+        if ours != chain:
+            j = next(i for i, (a, b) in enumerate(zip(ours, chain)) if a != b)
+            p = cands[j]
+            print(f"round {same}: draft {j} ours {ours[j]}, llama.cpp {chain[j]} (its probabilities {p})")
+            assert p.get(ours[j], 0.0) >= 0.95 * p[chain[j]], "not a near-tie: the MTP layers differ"
+            break
+        assert n_ours == n_theirs, f"round {same}: the same drafts, accepted {n_ours} here, {n_theirs} by llama.cpp"
+        same += 1
+    matched = sum(counts[:same])
+    print(f"{same} rounds equal (drafts and accepted counts, {matched} accepted) before the runs part")
+    assert same >= 6 and 0 < matched < K * same  # drafts both accepted and rejected, alike
+
+
+# ---------------------------------------------------------------- (e) qwen35 files speculant cannot run
+def _rewrite(src: Path, dst: Path, *, arch: str = "qwen35", drop: tuple[str, ...] = (), add: dict | None = None,
+             meta: dict | None = None) -> Path:
+    """A copy of the F32 file's model (metadata and tensors, no tokenizer; a 256-row vocabulary) with edits."""
+    import gguf
+
+    from speculant.gguf_file import GGUFFile
+
+    f = GGUFFile(src)
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, value in f.fields.items():
+        if key.startswith("qwen35.") and key.removeprefix("qwen35.") not in (meta or {}):
+            vtype, sub = f.field_types[key]
+            w.add_key_value(f"{arch}.{key.removeprefix('qwen35.')}", value, vtype, sub)
+    for key, value in (meta or {}).items():
+        if value is not None:
+            w.add_key_value(f"{arch}.{key}", value, *((gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+                                                      if isinstance(value, list) else (gguf.GGUFValueType.UINT32, None)))
+    for t in f.tensors:
+        if t.name not in drop:
+            a = f.dequantize(t)
+            w.add_tensor(t.name, a[:256] if t.name in ("token_embd.weight", "output.weight") else a)
+    for name, a in (add or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_files_it_cannot_run_are_clear_errors(files, tmp_path):
+    f32 = files["f32"]
+    ok = _rewrite(f32, tmp_path / "ok.gguf")
+    from speculant.models.qwen35_gguf import Qwen35GGUFSource
+
+    assert Qwen35GGUFSource(ok).config.vocab_size == 256  # the copy itself reads
+    cases = [
+        (dict(arch="qwen35moe"), "mixture of experts"),
+        (dict(add={"blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)}), "mixture-of-experts"),
+        (dict(meta={"expert_count": 8}), "mixture-of-experts"),
+        (dict(drop=("blk.1.ssm_a",)), "has no tensor blk.1.ssm_a"),
+        (dict(drop=("blk.4.nextn.eh_proj.weight",)), "has no tensor blk.4.nextn.eh_proj.weight"),
+        (dict(add={"blk.4.nextn.embed_tokens.weight": np.zeros((256, 64), np.float32)}), "no place for"),
+        (dict(meta={"rope.dimension_sections": [11, 11, 5, 0]}), "rotary pair"),
+        (dict(meta={"ssm.time_step_rank": 3}), "ssm.time_step_rank"),
+        (dict(meta={"block_count": None}), "lacks metadata qwen35.block_count"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        bad = _rewrite(f32, tmp_path / f"bad{i}.gguf", **edit)
+        with pytest.raises(SpeculantError, match=message):
+            load_model(str(bad), progress=False, use_cache=False)
