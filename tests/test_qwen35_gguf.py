@@ -3,7 +3,7 @@
 
 A tiny Qwen3.5 (tests/qwen35_tiny.py: head_dim 256, so llama.cpp's default M-RoPE sections cover the rotary, and 4
 value heads over 2 key heads, so the converter reorders the value heads) with an MTP layer and Qwen2.5's tokenizer
-(from the real preset's GGUF; the converter recognizes it by its hash) is converted to F32 and quantized to Q8_0. It
+(from the real preset's GGUF; the converter recognizes it by its hash) is converted to F32 and quantized by llama-quantize to F16 and Q8_0. It
 is built to be predictable enough for drafting to matter: the output layer is a row permutation of the embedding,
 so the last token's embedding alone would pick a fixed "next token", and the layers' outputs (scaled) move the
 choice with the context; the MTP layer's fc passes the embedding through (plus a little of the hidden state), so its
@@ -11,7 +11,7 @@ drafts are right when the target follows the embedding's pick. Then:
 
 (a) the GGUF model (float32) gives the HF folder's logits, and transformers', over a 300-token prompt (the recurrence
     runs long), and the same MTP logits;
-(b) greedy tokens of the F32 and Q8_0 files (each side's default kernels and f16 KV cache) equal llama.cpp's;
+(b) greedy tokens of the F32, F16 and Q8_0 files (each side's default kernels and f16 KV cache) equal llama.cpp's;
 (c) `--method mtp` on the GGUF target is greedy-identical to `ar`, and is the default method of such a file;
 (d) round by round, the MTP drafts and accepted counts equal llama-speculative-simple --spec-type draft-mtp's;
 (e) qwen35 GGUFs that are MoE, lack a tensor or have M-RoPE sections short of the rotary are clear errors.
@@ -77,7 +77,8 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
     t["mtp.fc.weight"] = torch.cat([torch.eye(D), HIDDEN_SHARE * torch.randn(D, D, generator=g) * D**-0.5], 1)
     save_file(t, str(f), metadata={"format": "pt"})
     f32 = convert_hf_to_gguf(folder, root / "f32.gguf")
-    return {"hf": folder, "f32": f32, "q8_0": quantize(bin_dir, f32, root / "q8_0.gguf", "Q8_0")}
+    return {"hf": folder, "f32": f32, "f16": quantize(bin_dir, f32, root / "f16.gguf", "F16"),
+            "q8_0": quantize(bin_dir, f32, root / "q8_0.gguf", "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def test_gguf_logits_equal_the_hf_folder_and_transformers(files, loaded):
 
 
 # ---------------------------------------------------------------- (b) greedy: llama.cpp on the same files
-@pytest.mark.parametrize("name", ["f32", "q8_0"])
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0"])
 def test_greedy_equals_llama_cpp(files, loaded, bin_dir, name):
     model = loaded(name)
     assert model.dtype == "gguf"
