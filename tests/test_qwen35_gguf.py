@@ -279,6 +279,8 @@ def test_files_it_cannot_run_are_clear_errors(files, tmp_path):
         (dict(meta={"ssm.time_step_rank": 3}), "ssm.time_step_rank"),
         (dict(meta={"block_count": None}), "lacks metadata qwen35.block_count"),
     ]
+    with pytest.raises(SpeculantError, match="--dtype int8 is not available for a Qwen3.5 GGUF file; choose gguf"):
+        load_model(str(ok), "int8", progress=False, use_cache=False)
     for i, (edit, message) in enumerate(cases):
         bad = _rewrite(f32, tmp_path / f"bad{i}.gguf", **edit)
         with pytest.raises(SpeculantError, match=message):

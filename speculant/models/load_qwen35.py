@@ -44,6 +44,9 @@ class Qwen35Source:
     """Float32 tensors of a Qwen3.5 HF folder by their name below the text model (`layers.3.mlp.up_proj.weight`),
     or `mtp.*` by their full name."""
 
+    native = False  # no blocks of its own: --dtype gguf is a GGUF file's
+    v_tiled = False  # value heads grouped by key head, as transformers orders them
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config: Qwen35Config = config_from_hf(_read_config(path / "config.json"), str(path / "config.json"))
@@ -61,9 +64,6 @@ class Qwen35Source:
             if not key.startswith(self.prefix) or key[len(self.prefix):] not in expected:
                 raise SpeculantError(f"{path} has tensor {key}, which a Qwen3.5 text model with num_hidden_layers "
                                      f"{self.config.n_layers} has no place for; this checkpoint is not supported")
-
-    native = False  # no blocks of its own: --dtype gguf is a GGUF file's
-    v_tiled = False  # value heads grouped by key head, as transformers orders them
 
     def has(self, name: str) -> bool:
         return self._key(name) in self._where
@@ -134,13 +134,14 @@ def build_qwen35(src, fmt: str) -> Qwen35Model:
     """The model in weight format `fmt`: float32 or a block format made from float weights, or (a GGUF source only)
     `gguf`, the file's own blocks."""
     if fmt == "int8" or (fmt == "gguf" and not src.native):
-        raise SpeculantError(f"--dtype {fmt} is not available for a Qwen3.5 HF folder; choose float32, bf16, f16 or "
+        what, own = ("GGUF file", "gguf (its own blocks), ") if src.native else ("HF folder", "")
+        raise SpeculantError(f"--dtype {fmt} is not available for a Qwen3.5 {what}; choose {own}float32, bf16, f16 or "
                              "a GGML block format (q8_0, q4_k, ...)")
     cfg = src.config
     blocks = [layer(src, cfg, f"layers.{i}.", fmt, cfg.is_linear(i)) for i in range(cfg.n_layers)]
     if not cfg.tie_embeddings and not src.has("lm_head.weight"):
         raise SpeculantError(f"{src.path} lacks lm_head.weight and config.json does not tie the embeddings")
-    tied = cfg.tie_embeddings or not src.has("lm_head.weight")
+    tied = cfg.tie_embeddings
     if fmt == "gguf":
         embed = src.embedding()
         lm_head = embed.as_linear() if tied else src.linear(["lm_head.weight"])
