@@ -285,3 +285,25 @@ def test_files_it_cannot_run_are_clear_errors(files, tmp_path):
         bad = _rewrite(f32, tmp_path / f"bad{i}.gguf", **edit)
         with pytest.raises(SpeculantError, match=message):
             load_model(str(bad), progress=False, use_cache=False)
+
+
+def test_architecture_is_read_wherever_the_header_has_it(tmp_path):
+    """The dispatch's quick read of the first metadata entry, and the whole header where the entry is later."""
+    import gguf
+
+    from speculant.models.qwen35_gguf import architecture
+
+    for first in (True, False):
+        w = gguf.GGUFWriter(str(tmp_path / f"{first}.gguf"), "qwen35")
+        w.add_uint32("qwen35.block_count", 1)
+        if not first:
+            kv = w.kv_data[0]
+            kv["general.architecture"] = kv.pop("general.architecture")
+        w.add_tensor("x", np.zeros(4, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert architecture(tmp_path / f"{first}.gguf") == "qwen35"
+    (tmp_path / "text.gguf").write_text("not a GGUF file")
+    assert architecture(tmp_path / "text.gguf") is None
