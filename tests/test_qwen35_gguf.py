@@ -3,11 +3,11 @@
 
 A tiny Qwen3.5 (tests/qwen35_tiny.py: head_dim 256, so llama.cpp's default M-RoPE sections cover the rotary, and 4
 value heads over 2 key heads, so the converter reorders the value heads) with an MTP layer and Qwen2.5's tokenizer
-(from the real preset's GGUF; the converter recognizes it by its hash) is converted to F32 and quantized by llama-quantize to F16 and Q8_0. It
-is built to be predictable enough for drafting to matter: the output layer is a row permutation of the embedding,
-so the last token's embedding alone would pick a fixed "next token", and the layers' outputs (scaled) move the
-choice with the context; the MTP layer's fc passes the embedding through (plus a little of the hidden state), so its
-drafts are right when the target follows the embedding's pick. Then:
+(from the real preset's GGUF; the converter recognizes it by its hash) is converted to F32 and quantized by
+llama-quantize to F16 and Q8_0. It is built to be predictable enough for drafting to matter: the output layer is a
+row permutation of the embedding, so the last token's embedding alone would pick a fixed "next token", and the layers'
+outputs (scaled) move the choice with the context; the MTP layer's fc passes the embedding through (plus a little of
+the hidden state), so its drafts are right when the target follows the embedding's pick. Then:
 
 (a) the GGUF model (float32) gives the HF folder's logits, and transformers', over a 300-token prompt (the recurrence
     runs long), and the same MTP logits;
@@ -169,14 +169,15 @@ def test_mtp_is_the_default_method_of_a_gguf_that_ships_it(files, tmp_path, caps
 
 
 # ---------------------------------------------------------------- (d) llama-speculative-simple --spec-type draft-mtp
-def _llama_mtp_rounds(bin_dir: Path, gguf: Path, prompt: str) -> tuple[str, list[tuple[list[int], int, list[dict]]], int, int]:
+def _llama_mtp_rounds(bin_dir: Path, gguf: Path, prompt: str) -> tuple[str, list[tuple[list[int], int, list[dict]]],
+                                                                       int, int]:
     """(printed text, rounds as (K drafts, accepted, each draft's top candidates id -> probability), n_drafted,
     n_accept) of one greedy llama-speculative-simple run with MTP chains of K drafts (-v prints the candidates and
     each round's accepted count); every KV cache f32."""
     args = [bin_dir / "llama-speculative-simple", "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", K,
             "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt, "-v",
             "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", check=False,
                           timeout=RUN_TIMEOUT_S)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
@@ -203,7 +204,8 @@ def test_mtp_rounds_against_llama_speculative_simple(files, loaded, bin_dir, mon
     ids = model.tokenizer.encode(PROMPT)
     chains, counts = [], []
     propose, record = MTPDrafter.propose, Stats.record_round
-    monkeypatch.setattr(MTPDrafter, "propose", lambda self, p, k: (d := propose(self, p, k), chains.append(d.tokens.tolist()))[0])
+    monkeypatch.setattr(MTPDrafter, "propose",
+                        lambda self, p, k: (d := propose(self, p, k), chains.append(d.tokens.tolist()))[0])
     monkeypatch.setattr(Stats, "record_round", lambda self, d, a: (counts.append(a), record(self, d, a))[1])
     method = parse_method(f"mtp:k={K},schedule=fixed,governor=off")
     done = Engine(model, method=method).generate(ids, GenerationConfig(max_new_tokens=N + 1, ignore_eos=True))
@@ -246,9 +248,10 @@ def _rewrite(src: Path, dst: Path, *, arch: str = "qwen35", drop: tuple[str, ...
             vtype, sub = f.field_types[key]
             w.add_key_value(f"{arch}.{key.removeprefix('qwen35.')}", value, vtype, sub)
     for key, value in (meta or {}).items():
-        if value is not None:
-            w.add_key_value(f"{arch}.{key}", value, *((gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-                                                      if isinstance(value, list) else (gguf.GGUFValueType.UINT32, None)))
+        if isinstance(value, list):
+            w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
+        elif value is not None:
+            w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.UINT32)
     for t in f.tensors:
         if t.name not in drop:
             a = f.dequantize(t)
@@ -269,15 +272,15 @@ def test_files_it_cannot_run_are_clear_errors(files, tmp_path):
 
     assert Qwen35GGUFSource(ok).config.vocab_size == 256  # the copy itself reads
     cases = [
-        (dict(arch="qwen35moe"), "mixture of experts"),
-        (dict(add={"blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)}), "mixture-of-experts"),
-        (dict(meta={"expert_count": 8}), "mixture-of-experts"),
-        (dict(drop=("blk.1.ssm_a",)), "has no tensor blk.1.ssm_a"),
-        (dict(drop=("blk.4.nextn.eh_proj.weight",)), "has no tensor blk.4.nextn.eh_proj.weight"),
-        (dict(add={"blk.4.nextn.embed_tokens.weight": np.zeros((256, 64), np.float32)}), "no place for"),
-        (dict(meta={"rope.dimension_sections": [11, 11, 5, 0]}), "rotary pair"),
-        (dict(meta={"ssm.time_step_rank": 3}), "ssm.time_step_rank"),
-        (dict(meta={"block_count": None}), "lacks metadata qwen35.block_count"),
+        ({"arch": "qwen35moe"}, "mixture of experts"),
+        ({"add": {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64), np.float32)}}, "mixture-of-experts"),
+        ({"meta": {"expert_count": 8}}, "mixture-of-experts"),
+        ({"drop": ("blk.1.ssm_a",)}, "has no tensor blk.1.ssm_a"),
+        ({"drop": ("blk.4.nextn.eh_proj.weight",)}, "has no tensor blk.4.nextn.eh_proj.weight"),
+        ({"add": {"blk.4.nextn.embed_tokens.weight": np.zeros((256, 64), np.float32)}}, "no place for"),
+        ({"meta": {"rope.dimension_sections": [11, 11, 5, 0]}}, "rotary pair"),
+        ({"meta": {"ssm.time_step_rank": 3}}, "ssm.time_step_rank"),
+        ({"meta": {"block_count": None}}, "lacks metadata qwen35.block_count"),
     ]
     with pytest.raises(SpeculantError, match="--dtype int8 is not available for a Qwen3.5 GGUF file; choose gguf"):
         load_model(str(ok), "int8", progress=False, use_cache=False)

@@ -50,7 +50,8 @@ _LAYER = {  # HF name below `layers.N.` -> GGUF name below `blk.N.`
 }
 _MTP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
         "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
-_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
 
 
 def architecture(path: Path) -> str | None:
