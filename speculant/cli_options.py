@@ -128,8 +128,7 @@ def default_method(model: str, draft: str | None) -> str:
 
     from .models.load_qwen35 import ships_mtp
 
-    folder = Path(model).expanduser()
-    return "mtp" if folder.is_dir() and ships_mtp(folder) else "lookup"
+    return "mtp" if ships_mtp(Path(model).expanduser()) else "lookup"
 
 
 def load_engine(args: argparse.Namespace):

@@ -147,10 +147,14 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
             logging.getLogger("speculant").warning(
                 f"speculant: {why}; {path.name} runs in float32 instead of its block formats (slower, more memory)")
     from .load_qwen35 import is_qwen35_folder, load_qwen35
+    from .qwen35_gguf import Qwen35GGUFSource, is_qwen35_gguf
 
-    if is_qwen35_folder(path):  # hybrid linear attention: its own model class (models/qwen35.py)
-        model = load_qwen35(path, dtype, dev, kv_dtype_of(kv_dtype or default_kv_dtype(dtype)))
-        return LoadedModel(name=spec, path=path, model=model, tokenizer=Tokenizer.from_hf_dir(path), dtype=dtype)
+    # hybrid linear attention: its own model class (models/qwen35.py), from an HF folder or a qwen35 GGUF
+    if is_qwen35_folder(path) or is_qwen35_gguf(path):
+        q35 = Qwen35GGUFSource(path) if path.is_file() else None
+        model = load_qwen35(path, dtype, dev, kv_dtype_of(kv_dtype or default_kv_dtype(dtype)), q35)
+        tokenizer = Tokenizer.from_hf_dir(path) if q35 is None else Tokenizer.from_gguf(q35.fields)
+        return LoadedModel(name=spec, path=path, model=model, tokenizer=tokenizer, dtype=dtype)
     gemma4 = is_gemma4_folder(path)  # its own model class (models/gemma4.py)
     if path.is_dir():
         src = None if gemma4 else HFSource(path)

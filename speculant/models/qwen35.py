@@ -41,18 +41,20 @@ def _rows(f, x: Tensor) -> Tensor:
 
 class DeltaNet(nn.Module):
     """A Gated DeltaNet layer's token mixer. in_proj fuses transformers' in_proj_qkv | in_proj_z | in_proj_b |
-    in_proj_a (rows in that order); conv [conv_dim, kernel]; A_log, dt_bias [v_heads]; norm [v_dim] (plain weight)."""
+    in_proj_a (rows in that order); conv [conv_dim, kernel]; neg_a (-exp(A_log)), dt_bias [v_heads]; norm [v_dim]
+    (plain weight). `tiled`: the value heads in llama.cpp's order (its converter's, so a GGUF's tensors are used as
+    stored): value head i served by key head i % k_heads, not transformers' i // (v_heads / k_heads)."""
 
-    def __init__(self, cfg: Qwen35Config, in_proj: QLinear, out_proj: QLinear, conv: Tensor, a_log: Tensor,
-                 dt_bias: Tensor, norm: Tensor) -> None:
+    def __init__(self, cfg: Qwen35Config, in_proj: QLinear, out_proj: QLinear, conv: Tensor, neg_a: Tensor,
+                 dt_bias: Tensor, norm: Tensor, tiled: bool = False) -> None:
         super().__init__()
         self.in_proj, self.out_proj = in_proj, out_proj
         self.conv = _param(conv.reshape(cfg.conv_dim, cfg.conv_kernel).t())  # [kernel, C]: tap j is a row
-        self.neg_a = _param(-a_log.float().exp())
+        self.neg_a = _param(neg_a)
         self.dt_bias = _param(dt_bias)
         self.norm = _param(norm)
         self.hk, self.hv, self.dk, self.dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
-        self.c, self.eps = cfg.conv_dim, cfg.norm_eps
+        self.c, self.eps, self.tiled = cfg.conv_dim, cfg.norm_eps, tiled
 
     def forward(self, x: Tensor, cache: HybridCache, li: int) -> Tensor:
         S, C, hk, hv, dk, dv = x.shape[0], self.c, self.hk, self.hv, self.dk, self.dv
@@ -70,7 +72,9 @@ class DeltaNet(nn.Module):
         v = mixed[:, 2 * hk * dk :].reshape(S, hv, dv)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * (dk**-0.5)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        if hv != hk:  # each key head serves hv / hk consecutive value heads
+        if hv != hk and self.tiled:  # key head j serves value heads j, j + hk, j + 2 hk, ...
+            q, k = q.repeat(1, hv // hk, 1), k.repeat(1, hv // hk, 1)
+        elif hv != hk:  # each key head serves hv / hk consecutive value heads
             q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
         state = cache.state[li]
         states = [state]
