@@ -277,6 +277,25 @@ def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypat
         assert matched >= 2  # the assistant is right in those rounds: not 0 against 0
 
 
+def test_load_model_and_the_cli_run_the_files(files, bin_dir, capsys):
+    """load_model dispatches a gemma4 file (its own blocks by default, llama.cpp's tokenization of its gemma4
+    tokenizer), and `generate --drafter FILE.gguf` runs the assistant file with the same output as `ar`."""
+    from speculant.cli import main
+    from speculant.models import load_model
+
+    lm = load_model(str(files["ple-q8_0.gguf"]), progress=False, use_cache=False)
+    assert lm.dtype == "gguf" and isinstance(lm.model.blocks[0].q, GGMLLinear)
+    for text in ("hello world", "ab\n\ncd \u03b1\u03b2\u03b3 x"):  # spaces, a newline run, the one merge
+        assert lm.tokenizer.encode(text) == greedy_tokens(bin_dir, files["ple-q8_0.gguf"], text, 1).prompt
+    outs = []
+    for extra in (["--method", "ar"], ["--drafter", str(files["repeat.gguf"]), "--stats"]):
+        rc = main(["generate", "--model", str(files["ple.gguf"]), "--threads", "1", "-n", "16", *extra, "helloworld"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        outs.append((out, err))
+    assert outs[1][0] == outs[0][0] and '"method": "assistant"' in outs[1][1]
+
+
 # ---------------------------------------------------------------- (d) files that do not run as converted
 def rewrite(src: Path, dst: Path, *, drop: tuple[str, ...] = (), fields: dict | None = None,
             tensors: dict[str, np.ndarray] | None = None) -> Path:

@@ -1,5 +1,5 @@
 """Gemma 4's assistant drafter (HF `Gemma4AssistantForCausalLM`, transformers' models/gemma4_assistant), read
-from its folder.
+from its folder here or from llama.cpp's gemma4-assistant GGUF (heads/assistant_gguf.py, which says what differs).
 
 The assistant is a small Gemma 4 decoder whose layers all share keys/values: they compute none and attend to the
 target's, those of the target's last sliding-window layer and last global layer that write keys/values. A step
@@ -36,6 +36,9 @@ _LAYER = {"attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attenti
           "q_norm": "self_attn.q_norm.weight", "scalar": "layer_scalar", "q": "self_attn.q_proj.weight",
           "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
           "down": "mlp.down_proj.weight"}
+
+
+_NORMS = ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "q_norm", "scalar")
 
 
 def is_assistant(folder: Path) -> bool:
@@ -113,7 +116,8 @@ class Assistant(nn.Module):
         c, tg = g.base, target.g
         if parts.backbone != target.cfg.dim or c.vocab_size != target.cfg.vocab_size:
             raise SpeculantError(f"{src}: the assistant was made for a target of width {parts.backbone} "
-                                 f"and {c.vocab_size} tokens; this target has {target.cfg.dim} and {target.cfg.vocab_size}")
+                                 f"and {c.vocab_size} tokens; this target has {target.cfg.dim} and "
+                                 f"{target.cfg.vocab_size}")
         # the target's layers whose keys/values the assistant reads: its last owner of each type
         owners = {loc: max(i for i in range(tg.n_layers) if tg.kv_source[i] == i and tg.base.is_local(i) == loc)
                   for loc in (True, False)}
@@ -130,7 +134,7 @@ class Assistant(nn.Module):
         blocks = []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            w = {n: get(p + n) for n in ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm", "q_norm", "scalar")}
+            w = {n: get(p + n) for n in _NORMS}
             blk = Gemma4Block(g, i, w, lin(p + "q"), None, lin(p + "o"), lin(p + "gate", p + "up"), lin(p + "down"),
                               None, None)
             blk.n_kv = tg.kv_heads[owners[c.is_local(i)]]

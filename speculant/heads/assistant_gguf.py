@@ -89,6 +89,6 @@ def load_gguf_assistant(path: Path, target: Gemma4Model) -> Assistant:
         tg = target.g
         n = tg.n_layers
         if n < 2 or not tg.base.is_local(n - 2) or tg.base.is_local(n - 1):
-            raise SpeculantError(f"{path}: llama.cpp's assistant reads the target's last two layers as a sliding-window "
-                                 "then a global layer; this target's are not")
+            raise SpeculantError(f"{path}: llama.cpp's assistant reads the target's last two layers as a "
+                                 "sliding-window then a global layer; this target's are not")
     return Assistant(gguf_parts(path), target)

@@ -1,4 +1,5 @@
-"""`--method assistant`: Gemma 4's assistant drafter (heads/assistant.py) drafting a chain.
+"""`--method assistant`: Gemma 4's assistant drafter (heads/assistant.py; --drafter its folder or its GGUF file)
+drafting a chain.
 
 A tap drafter (methods/base.py) of the target's final normed hidden state. It keeps the row of the last
 committed token; a round starts from it and the pending token, at the pending token's position, over the target's

@@ -96,8 +96,9 @@ def gemma4_gguf_config(f: dict, tensors: dict, freqs: np.ndarray | None, where: 
 
     moe = [n for n in tensors if "_exps" in n or ".ffn_gate_inp." in n]
     if moe or int(f.get(f"{arch}.expert_count", 0) or 0):
-        raise SpeculantError(f"GGUF file {where} is a mixture-of-experts Gemma 4 (e.g. {moe[0] if moe else 'expert_count'}"
-                             "); speculant runs the dense Gemma 4 models (E2B, E4B, 31B)")
+        raise SpeculantError(f"GGUF file {where} is a mixture-of-experts Gemma 4 (it has "
+                             f"{moe[0] if moe else 'expert_count'}); speculant runs the dense Gemma 4 models "
+                             "(E2B, E4B, 31B)")
     if any(".attn_qkv." in n for n in tensors):
         raise SpeculantError(f"GGUF file {where} stores fused attn_qkv tensors; speculant reads separate attn_q/k/v")
     n, dim, heads = int(need("block_count")), int(need("embedding_length")), need("attention.head_count")
@@ -115,8 +116,9 @@ def gemma4_gguf_config(f: dict, tensors: dict, freqs: np.ndarray | None, where: 
                              "are not a Gemma 4 attention")
     if int(f.get(f"{arch}.rope.dimension_count", g_hd)) != g_hd or \
             int(f.get(f"{arch}.rope.dimension_count_swa", l_hd)) != l_hd:
-        raise SpeculantError(f"GGUF file {where}: a rotary over part of a head (rope.dimension_count) is not supported; "
-                             "Gemma 4 turns whole heads, the global layers' unturned pairs marked by rope_freqs")
+        raise SpeculantError(f"GGUF file {where}: a rotary over part of a head (rope.dimension_count) is not "
+                             "supported; Gemma 4 turns whole heads, the global layers' unturned pairs marked by "
+                             "rope_freqs")
     if str(f.get(f"{arch}.rope.scaling.type", "none")) != "none":
         raise SpeculantError(f"GGUF file {where}: rotary scaling is not supported for Gemma 4")
     kv = per_layer(need("attention.head_count_kv"), n, "head_count_kv", where)
@@ -192,7 +194,7 @@ class Gemma4GGUFSource:
         st = self.path.stat()
         return f"gguf:{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
-    def get(self, name: str, keep_dtype: bool = False) -> Tensor:
+    def get(self, name: str) -> Tensor:
         """Float32 tensor by canonical name, [out, in] for matrices (GGUF stores [in, out] innermost first)."""
         return torch.from_numpy(self.file.dequantize(self.tensors[gguf_name(name)]))
 
@@ -218,6 +220,16 @@ class Gemma4GGUFSource:
         except SpeculantError:
             pass
         return make_linear(torch.cat([self.get(n) for n in names]), None, "float32")
+
+    def ple_table(self):
+        """The per-layer embedding table, its rows dequantized on lookup (F16 in llama-quantize's files: rows of
+        layers * P values are seldom whole blocks), or float32 where the kernels do not read its type."""
+        from .formats import GGMLEmbedding
+
+        try:
+            return GGMLEmbedding(self.part("ple_embed"), self.config.n_layers * self.config.ple_dim)
+        except SpeculantError:
+            return self.get("ple_embed")
 
     def embedding(self):
         from .formats import GGMLEmbedding
