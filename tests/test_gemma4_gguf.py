@@ -4,12 +4,12 @@ reference (tests/llama_cpp_ref.py: skipped with the reason where its tools canno
 The tiny Gemma 4 targets of tests/tiny_gemma4.py ("ple": per-layer inputs, KV-shared layers, a proportional
 rotary, soft-capping; "keqv": values = keys in global layers with their own key/value heads, double-wide MLPs, an
 untied output layer), in the layer order llama.cpp assumes (GGUF_TYPES), with a tokenizer its converter reads,
-and assistants for them, are converted by llama.cpp's convert_hf_to_gguf.py (F32) and llama-quantize (Q8_0):
+and assistants for them, are converted by llama.cpp's convert_hf_to_gguf.py (F32) and llama-quantize (F16, Q8_0):
 
 (a) the F32 file runs to the HF folder's logits and transformers' (a 40-token prompt, window 8): max |diff| <= 1e-4
     dequantized to float32, and <= 1e-4 of the logits' size in its own F32 blocks (--dtype gguf);
-(b) greedy tokens of the file (--dtype gguf) equal llama.cpp's greedy on the same file: F32 token for token, Q8_0
-    up to near-ties (the two round activations differently);
+(b) greedy tokens of the file (--dtype gguf) equal llama.cpp's greedy on the same file: F32 token for token, F16
+    and Q8_0 up to near-ties (the two round activations differently);
 (c) the assistant GGUF holds the folder's tensors; with it, greedy output equals `ar`; and llama-speculative-simple
     (--spec-type draft-mtp, the assistant sharing the target's memory) drafts and accepts the same as speculant,
     round by round (k = 3, every cache f32), for a random assistant (its drafts are never right) and one built to
@@ -81,7 +81,8 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
         save_tokenizer(folder)
         out[name] = folder
         out[f"{name}.gguf"] = convert_hf_to_gguf(folder, root / f"{name}.gguf")
-        out[f"{name}-q8_0.gguf"] = quantize(bin_dir, out[f"{name}.gguf"], root / f"{name}-q8_0.gguf", "Q8_0")
+        for kind in ("F16", "Q8_0"):
+            out[f"{name}-{kind.lower()}.gguf"] = quantize(bin_dir, out[f"{name}.gguf"], root / f"{name}-{kind}.gguf", kind)
     for name, make in (("random", lambda f: save_assistant(f, ordered=True)),
                        ("repeat", lambda f: save_repeat_assistant(f, out["ple"]))):
         folder = make(root / name)
@@ -131,20 +132,22 @@ def test_gguf_logits_match_the_folder_and_transformers(files, name):
 
 # ---------------------------------------------------------------- (b) llama.cpp's greedy on the same file
 # Q8_0: llama.cpp rounds activations to 8 bits per 32-value block for its quantized dot products, speculant's
-# kernels per row (tests/test_llama_cpp_parity.py), so near-tied tokens may go either way; a gap above this is a bug
+# kernels per row (tests/test_llama_cpp_parity.py); F16: llama.cpp rounds them to f16. So near-tied tokens may go
+# either way; a gap above this is a bug
 QUANT_TOLERANCE = 0.1  # the tiny files part at gaps of 0.02-0.03 (logits up to 4-6)
 MAX_TIES = 2  # of 24 positions
 
 
-@pytest.mark.parametrize("kind", ("", "-q8_0"))
+@pytest.mark.parametrize("kind", ("", "-f16", "-q8_0"))
 @pytest.mark.parametrize("name", ("ple", "keqv"))
 def test_greedy_matches_llama_cpp(files, bin_dir, name, kind):
-    """F32: token for token. Q8_0: llama.cpp's greedy path teacher-forced through our model, where every choice
-    that differs from ours must be a near-tie (within QUANT_TOLERANCE of our top logit), at most MAX_TIES."""
+    """F32: token for token. F16 and Q8_0: llama.cpp's greedy path teacher-forced through our model, where every
+    choice that differs from ours must be a near-tie (within QUANT_TOLERANCE of our top logit), at most MAX_TIES."""
     path = files[f"{name}{kind}.gguf"]
     lm = loaded(path)
-    if kind:  # the file's own Q8_0 blocks, not a float copy
-        assert isinstance(lm.model.blocks[0].q, GGMLLinear) and lm.model.blocks[0].q.parts[0].qtype == 8
+    if kind:  # the file's own blocks (GGML type 1 F16, 8 Q8_0), not a float copy
+        assert isinstance(lm.model.blocks[0].q, GGMLLinear)
+        assert lm.model.blocks[0].q.parts[0].qtype == {"-f16": 1, "-q8_0": 8}[kind]
     ids = prompt(20, seed=2)
     got = Engine(lm, threads=1).generate(ids, GenerationConfig(max_new_tokens=24, ignore_eos=True)).token_ids
     ref = greedy_tokens(bin_dir, path, ids, 24)
@@ -163,7 +166,7 @@ def test_greedy_matches_llama_cpp(files, bin_dir, name, kind):
             gap = float(row[top] - row[ref.tokens[j]])
             ties.append(f"token {j}: ours {top}, llama.cpp {ref.tokens[j]}, gap {gap:.4f}")
             assert gap <= QUANT_TOLERANCE, ties[-1] + " (not a near-tie)"
-    print(f"\ngemma4 {name}-q8_0: greedy equal to llama.cpp's for {agree}/24 tokens; on its path {ties or 'no ties'}")
+    print(f"\ngemma4 {name}{kind}: greedy equal to llama.cpp's for {agree}/24 tokens; on its path {ties or 'no ties'}")
     assert len(ties) <= MAX_TIES, ties
 
 
