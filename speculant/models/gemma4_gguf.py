@@ -122,7 +122,7 @@ def gemma4_gguf_config(f: dict, tensors: dict, freqs: np.ndarray | None, where: 
     if str(f.get(f"{arch}.rope.scaling.type", "none")) != "none":
         raise SpeculantError(f"GGUF file {where}: rotary scaling is not supported for Gemma 4")
     kv = per_layer(need("attention.head_count_kv"), n, "head_count_kv", where)
-    ff = per_layer(f.get(f"{arch}.feed_forward_length", 0), n, "feed_forward_length", where)
+    ff = per_layer(need("feed_forward_length"), n, "feed_forward_length", where)
     shared = int(f.get(f"{arch}.attention.shared_kv_layers", 0) or 0)
     source = kv_sources(local, shared, where, arch)
     hds = tuple(l_hd if loc else g_hd for loc in local)
