@@ -77,3 +77,61 @@ def save_assistant(folder: Path, ordered: bool = True) -> Path:
                 b.copy_(torch.randperm(VOCAB))
     model.save_pretrained(folder)
     return folder
+
+
+# ------------------------------------------------------------------ for llama.cpp's converter (tests/test_gemma4_gguf.py)
+# llama.cpp's KV-shared layers read layers first-2 and first-1 (first: the first shared layer) and its assistant the
+# target's last two layers, as a sliding-window then a global layer: the published models' order, which this one has
+GGUF_TYPES = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")  # ids 0..3, as Gemma's
+CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\u2581\n"
+
+
+def tokenizer_vocab() -> dict[str, int]:
+    """The tiny tokenizer's tokens: the specials, then one token per character (CHARS, then Greek letters), and one
+    merge (two Greek letters) because llama.cpp's gemma4 tokenizer needs merges. A text of CHARS is one id a
+    character, BOS first, in llama.cpp."""
+    greek = [chr(0x3B1 + i) for i in range(VOCAB - len(SPECIALS) - len(CHARS) - 1)]
+    return {t: i for i, t in enumerate([*SPECIALS, *CHARS, *greek, "\u03b1\u03b2"])}
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A tokenizer.json the converter's Gemma 4 vocabulary reader (gguf's LlamaHfVocab: BPE with byte fallback, a
+    Sequence decoder) takes, with exactly VOCAB tokens so the embedding table keeps its rows."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = tokenizer_vocab()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u03b1", "\u03b2")], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>"}))
+
+
+def save_repeat_assistant(folder: Path, target: Path) -> Path:
+    """An assistant (no clustered output layer) built to draft the pending token again, so that some drafts are
+    accepted: its pre-projection passes the target's embedding through P (orthonormal rows), its output layer
+    is the target's embeddings through P, and its layers add little (post norms of 0.05), so its top token is
+    the pending one; the attention and MLPs still shape the rest of its distribution."""
+    from safetensors.torch import load_file, save_file
+
+    if (folder / "config.json").is_file():
+        return folder
+    save_assistant(folder, ordered=False)
+    w = load_file(str(folder / "model.safetensors"))
+    table = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]  # [V, 64]
+    d, D = w["model.norm.weight"].shape[0], table.shape[1]
+    q, _ = torch.linalg.qr(torch.randn(D, d, generator=torch.Generator().manual_seed(3)))  # [D, d] orthonormal columns
+    w["pre_projection.weight"] = torch.cat([q.T.contiguous(), torch.zeros(d, D)], 1)
+    w["model.embed_tokens.weight"] = (table @ q).contiguous()
+    w["model.norm.weight"] = torch.ones(d)
+    for k in w:
+        if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+            w[k] = torch.full_like(w[k], 0.05)
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -46,9 +46,11 @@ def is_gguf(path: Path) -> bool:
 
 
 def gguf_method(path: Path) -> str:
-    """`eagle3` or `dflash` for a drafter GGUF (llama.cpp's converter's architectures), else a clear error (the
-    metadata is read, not the weights)."""
+    """`eagle3`, `dflash` or `assistant` (gemma4-assistant) for a drafter GGUF (llama.cpp's converter's
+    architectures), else a clear error (the metadata is read, not the weights)."""
     arch = GGUFFile(path).fields.get("general.architecture")
+    if arch == "gemma4-assistant":  # Gemma 4's assistant (heads/assistant_gguf.py)
+        return "assistant"
     if arch not in (_ARCH, "dflash"):
         raise SpeculantError(f"{path}: a GGUF file of architecture {arch!r}; a drafter GGUF is an EAGLE-3 or DFlash "
                              "drafter converted by llama.cpp (architecture 'eagle3' or 'dflash'). A whole model drafts "

@@ -1,4 +1,5 @@
-"""`--method assistant`: Gemma 4's assistant drafter (heads/assistant.py) drafting a chain.
+"""`--method assistant`: Gemma 4's assistant drafter (heads/assistant.py; --drafter its folder or its GGUF file)
+drafting a chain.
 
 A tap drafter (methods/base.py) of the target's final normed hidden state. It keeps the row of the last
 committed token; a round starts from it and the pending token, at the pending token's position, over the target's
@@ -64,11 +65,17 @@ def load_assistant(target, method) -> Assistant:
 
     from ..errors import SpeculantError
     from ..heads.assistant import is_assistant
+    from ..heads.gguf_drafter import is_gguf
 
     where = Path(method.heads.name).expanduser() if method.heads.name else None
+    if where is not None and is_gguf(where):  # llama.cpp's gemma4-assistant file
+        from ..heads.assistant_gguf import load_gguf_assistant
+
+        return load_gguf_assistant(where, target.model)
     if where is None or not is_assistant(where):
-        raise SpeculantError("--method assistant needs --drafter FOLDER: a Gemma 4 assistant's folder "
-                             "(config.json with architectures Gemma4AssistantForCausalLM)")
+        raise SpeculantError("--method assistant needs --drafter PATH: a Gemma 4 assistant's folder "
+                             "(config.json with architectures Gemma4AssistantForCausalLM) or its gemma4-assistant "
+                             ".gguf file")
     return Assistant(where, target.model)
 
 

@@ -127,6 +127,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     cache.default_kv_dtype of the weight format, f16 but for float32 weights)."""
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
+    from .gemma4_gguf import ARCH as GEMMA4, gguf_arch, load_gemma4_gguf
     from .gemma4_load import is_gemma4_folder, load_gemma4
     from .load_hf import HFSource
 
@@ -156,9 +157,13 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
         tokenizer = Tokenizer.from_hf_dir(path) if q35 is None else Tokenizer.from_gguf(q35.fields)
         return LoadedModel(name=spec, path=path, model=model, tokenizer=tokenizer, dtype=dtype)
     gemma4 = is_gemma4_folder(path)  # its own model class (models/gemma4.py)
+    gemma4_file = not path.is_dir() and gguf_arch(path) == GEMMA4  # the same class from llama.cpp's gemma4 file
     if path.is_dir():
         src = None if gemma4 else HFSource(path)
         tokenizer = Tokenizer.from_hf_dir(path)
+    elif gemma4_file:
+        model, fields = load_gemma4_gguf(path, dtype)
+        tokenizer = Tokenizer.from_gguf(fields)
     else:
         src = GGUFSource(path)
         tokenizer = Tokenizer.from_gguf(src.fields)
@@ -168,7 +173,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     calib = tokenizer.encode(CALIBRATION_TEXT, add_special=False)
     if gemma4:
         model = load_gemma4(path, dtype)
-    else:
+    elif not gemma4_file:
         model = build_transformer(src, dtype, cache_dir=cache_dir, progress=progress, label=path.name,
                                   calibration_ids=calib)
     model = model.to(dev)

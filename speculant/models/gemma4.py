@@ -120,14 +120,18 @@ def read_slot(cache: KVCache, slot: int, end: int) -> tuple[Tensor, Tensor]:
 
 class Gemma4Model(Transformer):
     def __init__(self, g: Gemma4Config, embed: nn.Module, blocks: list[Gemma4Block], norm: Tensor, lm_head: QLinear,
-                 ple_embed: Tensor | None, ple_model_proj: QLinear | None, ple_proj_norm: Tensor | None) -> None:
+                 ple_embed: Tensor | nn.Module | None, ple_model_proj: QLinear | None,
+                 ple_proj_norm: Tensor | None) -> None:
         nn.Module.__init__(self)  # Transformer's own tables and fused loop do not apply
         self.cfg, self.g = g.base, g
         self.embed = embed
         self.blocks = nn.ModuleList(blocks)
         self.norm = _param(norm)
         self.lm_head = lm_head
-        self.ple_embed = None if ple_embed is None else nn.Parameter(ple_embed, requires_grad=False)
+        # a table [V, layers * P] (an HF folder's, in its stored float type) or a GGUF file's rows dequantized on
+        # lookup (formats.GGMLEmbedding: the published files' table is the model's largest tensor)
+        self.ple_embed = ple_embed if ple_embed is None or isinstance(ple_embed, nn.Module) \
+            else nn.Parameter(ple_embed, requires_grad=False)
         self.ple_model_proj = ple_model_proj
         self.ple_proj_norm = None if ple_proj_norm is None else _param(ple_proj_norm)
         self.slots = g.kv_slots()
@@ -158,7 +162,9 @@ class Gemma4Model(Transformer):
     def weight_bytes_per_token(self) -> int:
         n = self.lm_head.weight_bytes() + self.embed.row_bytes()
         if self.ple_embed is not None:
-            n += self.ple_embed.shape[1] * self.ple_embed.element_size() + self.ple_model_proj.weight_bytes()
+            t = self.ple_embed
+            n += (t.row_bytes() if isinstance(t, nn.Module) else t.shape[1] * t.element_size()) \
+                + self.ple_model_proj.weight_bytes()
         return n + sum(m.weight_bytes() for b in self.blocks for m in b.linears())
 
     def per_layer_inputs(self, tokens: Tensor, x: Tensor) -> Tensor | None:
@@ -166,7 +172,8 @@ class Gemma4Model(Transformer):
         if self.ple_embed is None:
             return None
         S, L, P = tokens.shape[0], self.g.n_layers, self.g.ple_dim
-        tok = F.embedding(tokens, self.ple_embed).float() * torch.tensor(P**0.5)
+        t = self.ple_embed
+        tok = (t(tokens) if isinstance(t, nn.Module) else F.embedding(tokens, t)).float() * torch.tensor(P**0.5)
         proj = self.ple_model_proj(x) * self.cfg.dim**-0.5
         proj = rms_norm(proj.reshape(S * L, P).contiguous(), self.ple_proj_norm, self.cfg.norm_eps).view(S, L, P)
         return (proj + tok.view(S, L, P)) * 2.0**-0.5

@@ -1,4 +1,5 @@
-"""A Gemma 4 dense text model from its Hugging Face folder (safetensors only), in a chosen weight format.
+"""A Gemma 4 dense text model from its Hugging Face folder (safetensors only), in a chosen weight format;
+`build_gemma4` assembles it from any source by canonical names (a GGUF file's: models/gemma4_gguf.py).
 
 Names are transformers' (`model.layers.{i}...` for Gemma4ForCausalLM, `model.language_model.layers.{i}...` for
 the multimodal class, whose vision/audio towers are left unread). Every text tensor is checked against the
@@ -99,10 +100,15 @@ class Gemma4Source:
         if missing:
             raise SpeculantError(f"{self.path} lacks {len(missing)} tensor(s) config.json needs, e.g. {missing[0]}")
 
-    def get(self, name: str, keep_dtype: bool = False) -> Tensor:
+    def get(self, name: str) -> Tensor:
         key = self._names[name]
+        return self._where[key].get_tensor(key).to(torch.float32)
+
+    def ple_table(self) -> Tensor:
+        """The per-layer embedding table in its stored type where that is bf16/f16 (it is the largest tensor)."""
+        key = self._names["ple_embed"]
         t = self._where[key].get_tensor(key)
-        return t if keep_dtype and t.dtype in (torch.bfloat16, torch.float16) else t.to(torch.float32)
+        return t if t.dtype in (torch.bfloat16, torch.float16) else t.to(torch.float32)
 
 
 def load_gemma4(path: Path, fmt: str) -> Gemma4Model:
@@ -110,10 +116,19 @@ def load_gemma4(path: Path, fmt: str) -> Gemma4Model:
     if fmt in CALIBRATED or fmt == "gguf":
         raise SpeculantError(f"--dtype {fmt} is not available for Gemma 4 folders; choose float32, bf16, f16, q8_0, "
                              "q6_k, q5_1, q5_0, q4_k, q4_1 or q4_0")
-    src = Gemma4Source(path)
-    g = src.config
+    return build_gemma4(Gemma4Source(path), fmt)
 
-    def lin(*names: str) -> Tensor:
+
+def build_gemma4(src, fmt: str) -> Gemma4Model:
+    """The model of `src` (a Gemma4Source, or a gemma4_gguf.Gemma4GGUFSource: config, get and ple_table by
+    canonical tensor names), its linears in `fmt`; `gguf` keeps a GGUF source's own block types (its `linear` and
+    `embedding`)."""
+    g = src.config
+    native = fmt == "gguf"
+
+    def lin(*names: str):
+        if native:
+            return src.linear(names)
         w = torch.cat([src.get(n) for n in names])
         try:
             return make_linear(w, None, fmt)
@@ -138,10 +153,13 @@ def load_gemma4(path: Path, fmt: str) -> Gemma4Model:
             ple_gate, ple_proj = lin(p + "ple_gate"), lin(p + "ple_proj")
         blocks.append(Gemma4Block(g, i, w, lin(p + "q"), kv, lin(p + "o"), lin(p + "gate", p + "up"), lin(p + "down"),
                                   ple_gate, ple_proj))
-    table = src.get("embed")
-    head_fmt = HEAD_FORMAT.get(fmt, fmt)
-    lm_head = make_linear(table if g.base.tie_embeddings else src.get("lm_head"), None, head_fmt)
-    ple = (src.get("ple_embed", keep_dtype=True), lin("ple_model_proj"), src.get("ple_proj_norm")) if g.ple_dim \
+    if native:
+        embed = src.embedding()
+        lm_head = src.linear(("embed" if g.base.tie_embeddings else "lm_head",))  # a tied head maps the same blocks
+    else:
+        table = src.get("embed")
+        embed = FloatEmbedding(table)
+        lm_head = make_linear(table if g.base.tie_embeddings else src.get("lm_head"), None, HEAD_FORMAT.get(fmt, fmt))
+    ple = (src.ple_table(), lin("ple_model_proj"), src.get("ple_proj_norm")) if g.ple_dim \
         else (None, None, None)
-    return Gemma4Model(g, FloatEmbedding(table), blocks, src.get("norm"), lm_head, *ple)
-
+    return Gemma4Model(g, embed, blocks, src.get("norm"), lm_head, *ple)

@@ -102,11 +102,13 @@ class Tokenizer:
         raw_types = fields.get("tokenizer.ggml.token_type")
         types = [t if isinstance(t, int) else 1 for t in raw_types] if isinstance(raw_types, list) else []
         types += [1] * (len(tokens) - len(types))  # missing types: normal tokens
-        if kind not in ("gpt2", "llama"):
+        builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe, "gemma4": _gemma4_bpe}
+        if kind not in builders:
             raise SpeculantError(f"tokenizer model {kind!r} in this GGUF is not supported; supported: "
-                                 "'gpt2' (byte-level BPE) and 'llama' (SentencePiece). Use the HF folder instead")
+                                 "'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4'. Use the HF folder "
+                                 "instead")
         try:
-            backend = _byte_level_bpe(fields, tokens) if kind == "gpt2" else _sentencepiece_bpe(fields, tokens)
+            backend = builders[kind](fields, tokens)
             backend.add_tokens([AddedToken(t, special=False, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -278,6 +280,19 @@ def _sentencepiece_bpe(fields: Mapping[str, object], tokens: list[str]) -> _Back
                                                      prepend_scheme="first" if prefix else "never")
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def _gemma4_bpe(fields: Mapping[str, object], tokens: list[str]) -> _Backend:
+    """Gemma 4's BPE as llama.cpp runs it (llama-vocab.cpp, pre-type gemma4): spaces become '▁', the text splits
+    only at newlines, and the merges run on the UTF-8 characters of each piece, with byte fallback."""
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    backend = _Backend(models.BPE(vocab, _merges(fields), unk_token=unk_token, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 
