@@ -31,17 +31,17 @@ import torch
 from llama_cpp_ref import RUN_TIMEOUT_S, _threads, convert_hf_to_gguf, greedy_tokens, llama_cpp_bin, quantize
 
 from conftest import tiny_tokenizer
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.governor import GovernorConfig
-from speculant.method import MethodConfig, drafter_method
+from speculant.methods.governor import GovernorConfig
+from speculant.methods.config import MethodConfig, drafter_method
 from speculant.methods.assistant import AssistantDrafter
 from speculant.methods.base import DraftLengthConfig
 from speculant.models import LoadedModel
 from speculant.models.formats import GGMLLinear
 from speculant.models.gemma4_gguf import load_gemma4_gguf
 from speculant.models.gemma4_load import load_gemma4
-from speculant.stats import Stats
+from speculant.decoding.stats import Stats
 from tiny_gemma4 import (GGUF_TYPES, VOCAB, save_assistant, save_gemma4, save_repeat_assistant, save_tokenizer,
                          tokenizer_vocab)
 

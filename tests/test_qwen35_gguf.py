@@ -29,13 +29,13 @@ import torch
 from llama_cpp_ref import RUN_TIMEOUT_S, _threads, convert_hf_to_gguf, greedy_tokens, llama_cpp_bin, quantize
 from qwen35_tiny import save_qwen35
 
-from speculant.engine import Engine, GenerationConfig
+from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
-from speculant.method import MethodConfig, parse_method
+from speculant.methods.config import MethodConfig, parse_method
 from speculant.methods.mtp import MTPDrafter
 from speculant.models import load_model
 from speculant.models.transformer import FINAL_HIDDEN
-from speculant.stats import Stats
+from speculant.decoding.stats import Stats
 
 pytestmark = pytest.mark.real  # Qwen2.5's tokenizer comes from the real preset's GGUF
 
