@@ -218,3 +218,25 @@ def _parse(buf: memoryview, size: int) -> tuple[dict[str, object], dict[str, Fie
             raise ValueError(f"tensor {name} ends past the end of the file")
         tensors.append(t)
     return fields, types, tensors
+
+
+def architecture(path: Path) -> str | None:
+    """A GGUF file's `general.architecture`, None where the file is no GGUF. Read from the first metadata entry, where
+    llama.cpp's writer puts it, without parsing the whole header (a vocabulary of 150k strings) unless it is not
+    there."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if head[:4] != b"GGUF":
+        return None
+    try:
+        n = struct.unpack_from("<Q", head, 24)[0]  # after magic, version, tensor count, metadata count
+        key = head[32 : 32 + n].decode()
+        vtype, length = struct.unpack_from("<IQ", head, 32 + n)
+        if key == "general.architecture" and vtype == 8:  # 8: string
+            return head[44 + n : 44 + n + length].decode()
+    except (struct.error, UnicodeDecodeError):
+        pass
+    return str(GGUFFile(path).fields.get("general.architecture"))

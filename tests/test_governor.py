@@ -148,12 +148,13 @@ def test_slow_drafting_falls_back_to_plain_decoding(models, monkeypatch):
 
 
 def test_speculation_that_pays_is_kept(models):
-    """A slow target (10 ms a pass, any rows) drafted by its own fast twin: every draft accepted."""
+    """A slow target (30 ms a pass, any rows) drafted by its own fast twin: every draft accepted. (10 ms let a
+    loaded machine's slower draft passes look costly enough to pause; 30 ms keeps the margin wide.)"""
     target, _ = models
     twin = tiny_model(32, seed=1, logit_scale=3.0, layers=4)
     gen = GenerationConfig(max_new_tokens=120)
     ref = Engine(target).generate(PROMPT, gen).token_ids
-    target.model.forward = _slowed(type(target.model).forward.__get__(target.model), 0.01)
+    target.model.forward = _slowed(type(target.model).forward.__get__(target.model), 0.03)
     try:
         done = Engine(target, twin, MethodConfig("draft")).generate(PROMPT, gen)
     finally:

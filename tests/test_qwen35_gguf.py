@@ -294,7 +294,7 @@ def test_architecture_is_read_wherever_the_header_has_it(tmp_path):
     """The dispatch's quick read of the first metadata entry, and the whole header where the entry is later."""
     import gguf
 
-    from speculant.models.qwen35_gguf import architecture
+    from speculant.gguf_file import architecture
 
     for first in (True, False):
         w = gguf.GGUFWriter(str(tmp_path / f"{first}.gguf"), "qwen35")

@@ -127,7 +127,8 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
     cache.default_kv_dtype of the weight format, f16 but for float32 weights)."""
     from ..hub import resolve_model, speculant_home
     from .load_gguf import GGUFSource
-    from .gemma4_gguf import ARCH as GEMMA4, gguf_arch, load_gemma4_gguf
+    from ..gguf_file import architecture
+    from .gemma4_gguf import ARCH as GEMMA4, load_gemma4_gguf
     from .gemma4_load import is_gemma4_folder, load_gemma4
     from .load_hf import HFSource
 
@@ -157,7 +158,7 @@ def load_model(spec: str, dtype: str | None = None, *, device: str | torch.devic
         tokenizer = Tokenizer.from_hf_dir(path) if q35 is None else Tokenizer.from_gguf(q35.fields)
         return LoadedModel(name=spec, path=path, model=model, tokenizer=tokenizer, dtype=dtype)
     gemma4 = is_gemma4_folder(path)  # its own model class (models/gemma4.py)
-    gemma4_file = not path.is_dir() and gguf_arch(path) == GEMMA4  # the same class from llama.cpp's gemma4 file
+    gemma4_file = not path.is_dir() and architecture(path) == GEMMA4  # the same class from llama.cpp's gemma4 file
     if path.is_dir():
         src = None if gemma4 else HFSource(path)
         tokenizer = Tokenizer.from_hf_dir(path)

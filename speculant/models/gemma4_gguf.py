@@ -53,14 +53,6 @@ def gguf_name(name: str) -> str:
     return f"{_GLOBAL[name]}.weight"
 
 
-def gguf_arch(path: Path) -> str | None:
-    """The file's general.architecture, or None where it is not a readable GGUF file."""
-    try:
-        return str(GGUFFile(path).fields.get("general.architecture"))
-    except SpeculantError:
-        return None
-
-
 def per_layer(v: object, n: int, what: str, where: str) -> tuple[int, ...]:
     """A metadata value that is one number or a list of one per layer."""
     if isinstance(v, (list, tuple)):

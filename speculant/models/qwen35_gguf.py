@@ -22,14 +22,13 @@ plain rotary where every rotary pair falls in the first three sections (checked:
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ..errors import SpeculantError
-from ..gguf_file import GGUFFile, GGUFTensor
+from ..gguf_file import GGUFFile, GGUFTensor, architecture
 from .formats.base import QLinear
 from .qwen35_config import Qwen35Config
 
@@ -52,28 +51,6 @@ _MTP = {"mtp.fc.weight": "nextn.eh_proj.weight", "mtp.pre_fc_norm_embedding.weig
         "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight", "mtp.norm.weight": "nextn.shared_head_norm.weight"}
 _TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
-
-
-def architecture(path: Path) -> str | None:
-    """A GGUF file's `general.architecture`, None where the file is no GGUF. Read from the first metadata entry, where
-    llama.cpp's writer puts it, without parsing the whole header (a vocabulary of 150k strings) unless it is not
-    there."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return None
-    if head[:4] != b"GGUF":
-        return None
-    try:
-        n = struct.unpack_from("<Q", head, 24)[0]  # after magic, version, tensor count, metadata count
-        key = head[32 : 32 + n].decode()
-        vtype, length = struct.unpack_from("<IQ", head, 32 + n)
-        if key == "general.architecture" and vtype == 8:  # 8: string
-            return head[44 + n : 44 + n + length].decode()
-    except (struct.error, UnicodeDecodeError):
-        pass
-    return str(GGUFFile(path).fields.get("general.architecture"))
 
 
 def is_qwen35_gguf(path: Path) -> bool:
