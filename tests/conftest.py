@@ -77,19 +77,32 @@ def tiny_model(vocab: int = 8, *, seed: int = 0, dim: int = 32, layers: int = 2,
     return LoadedModel(name=f"tiny-{seed}", path=None, model=model, tokenizer=tiny_tokenizer(vocab, eos), dtype=fmt)
 
 
+REAL_MODELS_KEPT = 2  # a target and its draft (tests/test_real_spec.py) are the most one test uses at once
+
+
 @pytest.fixture(scope="session")
 def real_model_cache():
-    """Loaded real models by (preset, dtype), shared across the session (loading costs seconds)."""
+    """Loaded real models by (preset, dtype), shared across the session (loading costs seconds). Only the
+    REAL_MODELS_KEPT most recently used stay loaded: the float32 and int8 copies of the 0.5B and 1.5B take
+    gigabytes each, and a worker that kept every one grew past 13 GB and was killed for memory."""
+    import gc
+    from collections import OrderedDict
+
     from speculant.models import load_model
     from speculant.threads import configure_threads
 
     configure_threads()
-    loaded: dict[tuple[str, str], LoadedModel] = {}
+    loaded: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
 
     def get(name: str, dtype: str) -> LoadedModel:
-        if (name, dtype) not in loaded:
-            loaded[(name, dtype)] = load_model(name, dtype, progress=False)
-        return loaded[(name, dtype)]
+        key = (name, dtype)
+        if key not in loaded:
+            while len(loaded) >= REAL_MODELS_KEPT:
+                loaded.popitem(last=False)
+                gc.collect()
+            loaded[key] = load_model(name, dtype, progress=False)
+        loaded.move_to_end(key)
+        return loaded[key]
 
     return get
 
