@@ -33,13 +33,13 @@ BLOCK = 8
 
 def write_dflash(folder, *, vocab: int, layer_ids=(1, 3, 5), block: int = BLOCK, mask: int | None = None, seed: int = 0,
                  hidden: int = D, n_layers: int = 2, scale: float = 1.0, dflash: dict | None = None,
-                 drop: str | None = None):
+                 drop: str | None = None, kv_heads: int = 2):
     """A random DFlash drafter in z-lab's layout (config.json as DFlashDraftModel's save_pretrained writes it,
     model.safetensors); `drop` leaves a tensor out."""
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    H, HKV, HD, FF = 4, 2, 16, 96
+    H, HKV, HD, FF = 4, kv_heads, 16, 96
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std=None):
