@@ -6,6 +6,8 @@ files converted and quantized with them, and its greedy continuations as token i
     q8 = quantize(bin_dir, f32, tmp / "m-q8_0.gguf", "Q8_0")
     ref = greedy_tokens(bin_dir, q8, "Once upon a time", 32)  # or a list of prompt ids
     ref.prompt, ref.tokens                         # the ids llama.cpp ran and the n ids it chose
+    text, rounds, drafted, accepted = speculative_rounds(bin_dir, target, prompt, "draft-mtp", k=3, n=32)
+    same = equal_rounds(chains, counts, rounds, k=3)  # speculant's rounds against llama.cpp's
 
 The build (scripts/build_llama_cpp.sh, usable by hand too) lives in $SPECULANT_HOME/llama.cpp/, keyed by
 the sdist's version and the CPU's flags (a native build); concurrent pytest-xdist workers wait for one
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +111,61 @@ def greedy_tokens(bin_dir: Path, gguf: Path, prompt: str | Sequence[int], n: int
     ids = {k: [int(t) for t in v.split()] for k, v in lines.items()}
     assert len(ids.get("tokens", [])) == n, out
     return Greedy(ids["prompt"], ids["tokens"])
+
+
+NEAR_TIE = 0.95  # llama.cpp's draft probability of our choice over its top one, where the two drafts differ
+
+
+class SpecRound(NamedTuple):
+    chain: list[int]  # the k drafts
+    accepted: int
+    candidates: list[dict[int, float]]  # llama.cpp's top candidates (id -> probability) at each depth
+
+
+def speculative_rounds(bin_dir: Path, target: Path, prompt: str, spec_type: str, *, k: int, n: int,
+                       drafter: Path | None = None, extra: Sequence[str] = ()) -> tuple[str, list[SpecRound], int, int]:
+    """(printed text, its rounds, n_drafted, n_accept) of one greedy llama-speculative-simple run with chains of k
+    drafts (`spec_type` draft-eagle3, draft-dflash, draft-mtp; `drafter` its -md file, none for a target's own MTP
+    layer): -v prints each draft step's top candidates and each round's accepted count. Every KV cache f32."""
+    args = [bin_dir / "llama-speculative-simple", "-m", target, *(["-md", drafter] if drafter else []),
+            "--spec-type", spec_type, "--spec-draft-n-max", k, "--spec-draft-n-min", 0, *extra, "-n", n, "--temp", 0,
+            "-t", _threads(), "-p", prompt, "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
+    # -v prints token pieces byte by byte: a multi-byte character may be split across lines
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
+                          timeout=RUN_TIMEOUT_S, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    rounds, steps = [], []
+    for line in out.splitlines():
+        if c := re.search(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", line):
+            i, pos, tok, prob = int(c[1]), int(c[2]), int(c[3]), float(c[4])
+            if i == 0 and pos == len(steps):
+                steps.append({})
+            steps[pos][tok] = prob
+        elif a := re.search(r"accepted (\d+)/(\d+) draft tokens", line):
+            rounds.append(SpecRound([max(c, key=c.get) for c in steps], int(a[1]), steps))
+            steps = []
+    counts = {key: int(v) for key, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
+    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
+
+
+def equal_rounds(chains: list[list[int]], counts: list[int], theirs: list[SpecRound], k: int,
+                 near_tie: float = NEAR_TIE) -> int:
+    """How many rounds, from the first, speculant (its drafted chains and accepted counts) and llama.cpp ran alike:
+    the same k drafts and the same accepted count. A differing draft is allowed only at a near-tie of llama.cpp's own
+    choice (two implementations' float sums), where the runs part; speculant's last rounds, shorter because of
+    max_new_tokens, end the comparison."""
+    same = 0
+    for ours, n_ours, r in zip(chains, counts, theirs):
+        if len(ours) < k:
+            break
+        if ours != r.chain:
+            j = next(i for i, (a, b) in enumerate(zip(ours, r.chain)) if a != b)
+            p = r.candidates[j]
+            print(f"round {same}: draft {j} ours {ours[j]}, llama.cpp {r.chain[j]} (its probabilities {p})")
+            assert p.get(ours[j], 0.0) >= near_tie * p[r.chain[j]], "not a near-tie: the drafters differ"
+            break
+        assert n_ours == r.accepted, f"round {same}: the same drafts, accepted {n_ours} here, {r.accepted} by llama.cpp"
+        same += 1
+    print(f"{same} rounds equal (drafts and accepted counts, {sum(counts[:same])} accepted) before the runs part")
+    return same

@@ -36,9 +36,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_cpp_ref import convert_hf_to_gguf, greedy_tokens, llama_cpp_bin, quantize
+from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
 from test_dflash import BLOCK, write_dflash
-from test_eagle3_llama_cpp import NEAR_TIE, _llama_speculative
 
 from speculant import Engine, GenerationConfig, MethodConfig, drafter_method, load_model
 from speculant.decoding.stats import Stats
@@ -180,25 +179,14 @@ def test_rounds_against_llama_speculative_simple(files, target, bin_dir, name, m
     first = done.token_ids[0]
     prompt = PROMPT + target.tokenizer.decode([first])
     assert greedy_tokens(bin_dir, files["target.gguf"], prompt, 1).prompt == ids + [first]
-    text, theirs, drafted, accepted = _llama_speculative(bin_dir, files["target.gguf"], files[name], prompt,
-                                                         spec_type="draft-dflash", k=k)
+    text, theirs, drafted, accepted = speculative_rounds(bin_dir, files["target.gguf"], prompt, "draft-dflash", k=k,
+                                                         n=N, drafter=files[name])
     assert target.tokenizer.decode(ids + done.token_ids) in text
-    full = [(c, n) for c, n in zip(chains, counts) if len(c) == k]  # speculant's last rounds draft fewer
     print(f"\n{name}: llama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds "
           f"{[r.accepted for r in theirs]}; speculant {done.stats.drafted_tokens} / {done.stats.accepted_tokens} in "
           f"{done.stats.rounds} rounds {counts}")
-    same = 0
-    for (chain, n), r in zip(full, theirs):
-        if chain != r.chain:  # allowed only at a near-tie of llama.cpp's own choice (float sums differ)
-            j = next(i for i, (a, b) in enumerate(zip(chain, r.chain)) if a != b)
-            p = r.candidates[j]
-            print(f"round {same}: draft {j} ours {chain[j]}, llama.cpp {r.chain[j]} (its probabilities {p})")
-            assert p.get(chain[j], 0.0) >= NEAR_TIE * p[r.chain[j]], "not a near-tie: the drafters differ"
-            break
-        assert n == r.accepted, f"round {same}: the same drafts, accepted {n} here, {r.accepted} by llama.cpp"
-        same += 1
+    same = equal_rounds(chains, counts, theirs, k)
     matched = counts[:same]
-    print(f"{same} rounds equal (drafts and accepted counts, {sum(matched)} accepted) before the runs part")
     assert same >= 10 and 0 < sum(matched) < same  # drafts both right and wrong, alike in both
 
 

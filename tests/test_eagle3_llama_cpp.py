@@ -24,14 +24,11 @@ the EAGLE repo / SpecForge layout are converted by llama.cpp's convert_hf_to_ggu
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
-from llama_cpp_ref import RUN_TIMEOUT_S, _threads, convert_hf_to_gguf, greedy_tokens, llama_cpp_bin
+from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, speculative_rounds
 from safetensors.torch import load_file, save_file
 
 from speculant import Engine, GenerationConfig, MethodConfig, drafter_method, load_model
@@ -49,7 +46,6 @@ REAL = "smollm2-135m-instruct"
 LAYERS = 6
 PROMPT = "The capital of France is"
 N, K = 32, 4
-NEAR_TIE = 0.95  # llama.cpp's draft probability of our choice over its top one
 
 
 @pytest.fixture(scope="module")
@@ -157,45 +153,13 @@ def test_greedy_with_gguf_drafter_equals_ar_and_llama_cpp(files, target, bin_dir
 
 
 # ---------------------------------------------------------------- (c) llama-speculative-simple's counts
-class _Round(NamedTuple):
-    chain: list[int]  # the K drafts
-    accepted: int
-    candidates: list[dict[int, float]]  # llama.cpp only: its top candidates (id -> probability) at each depth
-
-
-def _llama_speculative(bin_dir: Path, target: Path, drafter: Path, prompt: str, spec_type: str = "draft-eagle3",
-                       k: int = K) -> tuple[str, list[_Round], int, int]:
-    """(printed text, its rounds, n_drafted, n_accept) of one greedy llama-speculative-simple run with chains of k
-    drafts: -v prints each draft step's top candidates and each round's accepted count. Every KV cache f32."""
-    args = [bin_dir / "llama-speculative-simple", "-m", target, "-md", drafter, "--spec-type", spec_type,
-            "--spec-draft-n-max", k, "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt,
-            "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
-    # -v prints token pieces byte by byte: a multi-byte character may be split across lines
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
-                          timeout=RUN_TIMEOUT_S)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    rounds, steps = [], []
-    for line in out.splitlines():
-        if c := re.search(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", line):
-            i, pos, tok, prob = int(c[1]), int(c[2]), int(c[3]), float(c[4])
-            if i == 0 and pos == len(steps):
-                steps.append({})
-            steps[pos][tok] = prob
-        elif a := re.search(r"accepted (\d+)/(\d+) draft tokens", line):
-            rounds.append(_Round([max(c, key=c.get) for c in steps], int(a[1]), steps))
-            steps = []
-    counts = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
-    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
-
-
 @pytest.mark.parametrize("name", ["repeat", "random"])
 def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypatch):
     """Both runners in the same state before their first round: llama-speculative-simple drafts from its prompt's
     last token (the target has run the rest), speculant after its prefill from the token that prefill chose; so
     llama.cpp gets the prompt with that first token appended. Then round by round the K drafts and the accepted
     count must be equal, up to a near-tie in the drafter's choice (two implementations' float sums: llama.cpp's
-    probability of our draft within NEAR_TIE of its top one), after which the runs part."""
+    probability of our draft within llama_cpp_ref.NEAR_TIE of its top one), after which the runs part."""
     model = load_model(str(files["target.gguf"]), None, progress=False, use_cache=False, kv_dtype="f32")
     ids = model.tokenizer.encode(PROMPT)
     method = drafter_method(str(files[f"{name}.gguf"]), MethodConfig(governor=GovernorConfig("off"),
@@ -208,26 +172,15 @@ def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypat
     first = done.token_ids[0]
     prompt = PROMPT + model.tokenizer.decode([first])
     assert greedy_tokens(bin_dir, files["target.gguf"], prompt, 1).prompt == ids + [first]
-    text, theirs, drafted, accepted = _llama_speculative(bin_dir, files["target.gguf"], files[f"{name}.gguf"], prompt)
+    text, theirs, drafted, accepted = speculative_rounds(bin_dir, files["target.gguf"], prompt, "draft-eagle3", k=K, n=N,
+                                                         drafter=files[f"{name}.gguf"])
     assert model.tokenizer.decode(ids + done.token_ids) in text  # the same greedy text
     s = done.stats
     print(f"\n{name}: llama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds "
           f"{[r.accepted for r in theirs]}; speculant drafted {s.drafted_tokens} accepted {s.accepted_tokens} in "
           f"{s.rounds} rounds {counts}")
-    same = 0
-    for ours, n_ours, r in zip(chains, counts, theirs):
-        if len(ours) < K:  # speculant's last rounds draft fewer (max_new_tokens); llama.cpp's do not
-            break
-        if ours != r.chain:
-            j = next(i for i, (a, b) in enumerate(zip(ours, r.chain)) if a != b)
-            p = r.candidates[j]
-            print(f"round {same}: draft {j} ours {ours[j]}, llama.cpp {r.chain[j]} (its probabilities {p})")
-            assert p.get(ours[j], 0.0) >= NEAR_TIE * p[r.chain[j]], "not a near-tie: the drafters differ"
-            break
-        assert n_ours == r.accepted, f"round {same}: the same drafts, accepted {n_ours} here, {r.accepted} by llama.cpp"
-        same += 1
+    same = equal_rounds(chains, counts, theirs, K)
     matched = sum(counts[:same])
-    print(f"{same} rounds equal (drafts and accepted counts, {matched} accepted) before the runs part")
     assert same >= 10
     if name == "repeat":
         assert matched >= 4  # the drafter is right in those rounds: not 0 against 0

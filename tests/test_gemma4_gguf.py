@@ -20,15 +20,12 @@ and assistants for them, are converted by llama.cpp's convert_hf_to_gguf.py (F32
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from llama_cpp_ref import RUN_TIMEOUT_S, _threads, convert_hf_to_gguf, greedy_tokens, llama_cpp_bin, quantize
+from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
 
 from conftest import tiny_tokenizer
 from speculant.decoding.engine import Engine, GenerationConfig
@@ -204,36 +201,6 @@ def test_gguf_assistant_is_greedy_identical_to_ar(files, name):
         assert s.accepted_tokens > 0
 
 
-class _Round(NamedTuple):
-    chain: list[int]  # the K drafts
-    accepted: int
-    candidates: list[dict[int, float]]  # llama.cpp's top candidates (id -> probability) at each step
-
-
-def _llama_speculative(bin_dir: Path, target: Path, drafter: Path, text: str) -> tuple[str, list[_Round], int, int]:
-    """(printed text, its rounds, n_drafted, n_accept) of one greedy llama-speculative-simple run: the assistant
-    drafts K tokens a round (-v prints each step's top candidates and each round's accepted count)."""
-    args = [bin_dir / "llama-speculative-simple", "-m", target, "-md", drafter, "--spec-type", "draft-mtp",
-            "--spec-draft-n-max", K, "--spec-draft-n-min", 0, "--spec-draft-p-min", 0, "-n", N, "--temp", 0,
-            "-t", _threads(), "-p", text, "-v", "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace",
-                          timeout=RUN_TIMEOUT_S)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    rounds, steps = [], []
-    for line in out.splitlines():
-        if c := re.search(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", line):
-            i, pos, tok, prob = int(c[1]), int(c[2]), int(c[3]), float(c[4])
-            if i == 0 and pos == len(steps):
-                steps.append({})
-            steps[pos][tok] = prob
-        elif a := re.search(r"accepted (\d+)/(\d+) draft tokens", line):
-            rounds.append(_Round([max(c, key=c.get) for c in steps], int(a[1]), steps))
-            steps = []
-    counts = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
-    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
-
-
 @pytest.mark.parametrize("name", ("random", "repeat"))
 def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypatch):
     """Both runners in the same state before their first round: llama-speculative-simple drafts from its prompt's
@@ -255,26 +222,15 @@ def test_rounds_against_llama_speculative_simple(files, bin_dir, name, monkeypat
     piece = {i: t for t, i in vocab.items()}[first]
     assert first >= 4, "the first token must be a character for llama.cpp's prompt"
     assert greedy_tokens(bin_dir, files["ple.gguf"], text + piece, 1).prompt == ids + [first]
-    printed, theirs, drafted, accepted = _llama_speculative(bin_dir, files["ple.gguf"], files[f"{name}.gguf"],
-                                                            text + piece)
+    printed, theirs, drafted, accepted = speculative_rounds(bin_dir, files["ple.gguf"], text + piece, "draft-mtp", k=K,
+                                                            n=N, drafter=files[f"{name}.gguf"],
+                                                            extra=("--spec-draft-p-min", "0"))
     s = done.stats
     print(f"\n{name}: llama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds "
           f"{[r.accepted for r in theirs]}; speculant drafted {s.drafted_tokens} accepted {s.accepted_tokens} in "
           f"{s.rounds} rounds {counts}")
-    same = 0
-    for ours, n_ours, r in zip(chains, counts, theirs):
-        if len(ours) < K:  # speculant's last rounds draft fewer (max_new_tokens); llama.cpp's do not
-            break
-        if ours != r.chain:
-            j = next(i for i, (a, b) in enumerate(zip(ours, r.chain)) if a != b)
-            p = r.candidates[j]
-            print(f"round {same}: draft {j} ours {ours[j]}, llama.cpp {r.chain[j]} (its probabilities {p})")
-            assert p.get(ours[j], 0.0) >= NEAR_TIE * p[r.chain[j]], "not a near-tie: the drafters differ"
-            break
-        assert n_ours == r.accepted, f"round {same}: the same drafts, accepted {n_ours} here, {r.accepted} by llama.cpp"
-        same += 1
+    same = equal_rounds(chains, counts, theirs, K, NEAR_TIE)
     matched = sum(counts[:same])
-    print(f"{same} rounds equal (drafts and accepted counts, {matched} accepted) before the runs part")
     assert same >= 8
     if name == "repeat":
         assert matched >= 2  # the assistant is right in those rounds: not 0 against 0

@@ -19,14 +19,12 @@ the hidden state), so its drafts are right when the target follows the embedding
 
 from __future__ import annotations
 
-import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from llama_cpp_ref import RUN_TIMEOUT_S, _threads, convert_hf_to_gguf, greedy_tokens, llama_cpp_bin, quantize
+from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
 from qwen35_tiny import save_qwen35
 
 from speculant.decoding.engine import Engine, GenerationConfig
@@ -169,32 +167,6 @@ def test_mtp_is_the_default_method_of_a_gguf_that_ships_it(files, tmp_path, caps
 
 
 # ---------------------------------------------------------------- (d) llama-speculative-simple --spec-type draft-mtp
-def _llama_mtp_rounds(bin_dir: Path, gguf: Path, prompt: str) -> tuple[str, list[tuple[list[int], int, list[dict]]],
-                                                                       int, int]:
-    """(printed text, rounds as (K drafts, accepted, each draft's top candidates id -> probability), n_drafted,
-    n_accept) of one greedy llama-speculative-simple run with MTP chains of K drafts (-v prints the candidates and
-    each round's accepted count); every KV cache f32."""
-    args = [bin_dir / "llama-speculative-simple", "-m", gguf, "--spec-type", "draft-mtp", "--spec-draft-n-max", K,
-            "--spec-draft-n-min", 0, "-n", N, "--temp", 0, "-t", _threads(), "-p", prompt, "-v",
-            "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", check=False,
-                          timeout=RUN_TIMEOUT_S)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    rounds, steps = [], []
-    for line in out.splitlines():
-        if c := re.search(r"draft candidate\s+(\d+), pos\s+(\d+):\s+(\d+) \(\s*([\d.]+)\)", line):
-            i, pos, tok, prob = int(c[1]), int(c[2]), int(c[3]), float(c[4])
-            if i == 0 and pos == len(steps):
-                steps.append({})
-            steps[pos][tok] = prob
-        elif a := re.search(r"accepted (\d+)/(\d+) draft tokens", line):
-            rounds.append(([max(s, key=s.get) for s in steps], int(a[1]), steps))
-            steps = []
-    counts = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
-    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
-
-
 def test_mtp_rounds_against_llama_speculative_simple(files, loaded, bin_dir, monkeypatch):
     """Both in the same state before their first round: llama-speculative-simple drafts from its prompt's last token
     (the target has run the rest), speculant after its prefill from the token that prefill chose; so llama.cpp gets
@@ -211,25 +183,13 @@ def test_mtp_rounds_against_llama_speculative_simple(files, loaded, bin_dir, mon
     done = Engine(model, method=method).generate(ids, GenerationConfig(max_new_tokens=N + 1, ignore_eos=True))
     prompt = PROMPT + model.tokenizer.decode([done.token_ids[0]])
     assert model.tokenizer.encode(prompt) == ids + [done.token_ids[0]]
-    text, theirs, drafted, accepted = _llama_mtp_rounds(bin_dir, files["f32"], prompt)
+    text, theirs, drafted, accepted = speculative_rounds(bin_dir, files["f32"], prompt, "draft-mtp", k=K, n=N)
     assert model.tokenizer.decode(ids + done.token_ids) in text  # the same greedy text
     s = done.stats
-    print(f"\nllama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds {[r[1] for r in theirs]}; "
+    print(f"\nllama.cpp drafted {drafted} accepted {accepted} in {len(theirs)} rounds {[r.accepted for r in theirs]}; "
           f"speculant drafted {s.drafted_tokens} accepted {s.accepted_tokens} in {s.rounds} rounds {counts}")
-    same = 0
-    for ours, n_ours, (chain, n_theirs, cands) in zip(chains, counts, theirs):
-        if len(ours) < K:  # speculant's last rounds draft fewer (max_new_tokens); llama.cpp's do not
-            break
-        if ours != chain:
-            j = next(i for i, (a, b) in enumerate(zip(ours, chain)) if a != b)
-            p = cands[j]
-            print(f"round {same}: draft {j} ours {ours[j]}, llama.cpp {chain[j]} (its probabilities {p})")
-            assert p.get(ours[j], 0.0) >= 0.95 * p[chain[j]], "not a near-tie: the MTP layers differ"
-            break
-        assert n_ours == n_theirs, f"round {same}: the same drafts, accepted {n_ours} here, {n_theirs} by llama.cpp"
-        same += 1
+    same = equal_rounds(chains, counts, theirs, K)
     matched = sum(counts[:same])
-    print(f"{same} rounds equal (drafts and accepted counts, {matched} accepted) before the runs part")
     assert same >= 6 and 0 < matched < K * same  # drafts both accepted and rejected, alike
 
 
