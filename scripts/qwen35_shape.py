@@ -8,6 +8,7 @@ heads of 128, conv kernel 4, vocabulary 248320, tied embeddings, one MTP layer (
 
     python scripts/qwen35_shape.py build     # ~/.cache/speculant/shapes/qwen35-2b-shape-Q4_K_M.gguf (once)
     python scripts/qwen35_shape.py measure   # the timings, each repeated (median and spread)
+    python scripts/qwen35_shape.py profile   # torch.profiler's ops of a decode step and a verification pass
 
 The build writes the random model in bfloat16 (never a float32 copy), converts it with llama.cpp's
 convert_hf_to_gguf.py to BF16 and quantizes that with llama-quantize (the tools tests/llama_cpp_ref.py builds), then
@@ -163,6 +164,30 @@ def mtp_step_ms(model, ids: list[int], steps: int = 16) -> float:
     return statistics.median(times)
 
 
+def profile(args) -> None:
+    """Where a decode step (1 token) and a verification pass (9 tokens) spend their time: torch.profiler's ops."""
+    import torch
+    from torch.profiler import profile as torch_profile
+
+    from speculant.models import load_model
+    from speculant.threads import configure_threads
+
+    configure_threads(args.threads)
+    model = load_model(str(shapes_dir() / f"{NAME}-Q4_K_M.gguf"), progress=False).model
+    cache = model.new_cache(args.context + 16)
+    model(torch.arange(1000, 1000 + args.context), cache)
+    base = cache.length
+    for S in (1, 9):
+        model(torch.arange(S), cache)
+        cache.rollback(base)
+        with torch_profile() as prof:
+            for _ in range(5):
+                model(torch.arange(S), cache)
+                cache.rollback(base)
+        print(f"forward of {S} token(s), 5 runs")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -172,8 +197,11 @@ def main() -> None:
     m.add_argument("--threads", type=int, default=2)
     m.add_argument("--tokens", type=int, default=64)
     m.add_argument("--context", type=int, default=64)
+    f = sub.add_parser("profile")
+    f.add_argument("--threads", type=int, default=2)
+    f.add_argument("--context", type=int, default=64)
     a = p.parse_args()
-    build(a) if a.cmd == "build" else measure(a)
+    {"build": build, "measure": measure, "profile": profile}[a.cmd](a)
 
 
 if __name__ == "__main__":
