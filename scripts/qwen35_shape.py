@@ -112,7 +112,7 @@ def spread(xs: list[float]) -> str:
 
 def llama_bench(root: Path, gguf: Path, threads: int, n: int) -> float:
     done = subprocess.run([str(root / "bin" / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n), "-t",
-                           str(threads), "-o", "json"], capture_output=True, text=True, check=True)
+                           str(threads), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
@@ -132,8 +132,10 @@ def measure(args) -> None:
     for _ in range(REPEATS):  # in turns, so load on the shared machine hits both sides alike
         ours.append(decode_tps(model, ids, args.tokens)[0])
         theirs.append(llama_bench(root, gguf, args.threads, args.tokens))
-        curves.append(cost_curve(model, ids, range(1, max(KS) + 2), repeats=5))
+        curves.append(cost_curve(model, ids, range(1, max(KS) + 2), repeats=3))
         mtp_ms.append(mtp_step_ms(model, ids))
+        print(f"run {len(ours)}: ours {ours[-1]:.3f} tok/s, llama.cpp {theirs[-1]:.3f} tok/s, forward of 1 "
+              f"{curves[-1][1]:.1f} ms, MTP step {mtp_ms[-1]:.1f} ms", flush=True)
     print(f"file {gguf.name}, {args.threads} threads, {args.context}-token context")
     print(f"decode tok/s  ours {spread(ours)}  llama.cpp (llama-bench -p 0 -n {args.tokens}) {spread(theirs)}")
     print(f"ratio ours/llama.cpp {spread([a / b for a, b in zip(ours, theirs)])}")
