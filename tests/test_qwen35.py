@@ -161,3 +161,17 @@ def test_the_text_part_of_a_conditional_generation_folder(folder, model, tmp_pat
     ids = torch.tensor(prompt(9))
     assert torch.equal(vl(ids, vl.new_cache(9)).logits, model(ids, model.new_cache(9)).logits)
     assert vl.mtp is not None
+
+
+def test_bench_speed_decode_timing_runs_on_a_recurrent_cache(model):
+    """`bench speed`'s decode timing used to roll its cache back across the warm-up's one-token passes, which a
+    recurrent state cannot do (an error); now each run has its own prefill, and the tokens are plain greedy's."""
+    from speculant.bench.speed import decode_tps
+
+    ids = prompt(12)
+    tps, tokens = decode_tps(model, ids, 5, warmup=3)
+    cache = model.new_cache(20)
+    want = [int(model(torch.tensor(ids), cache).logits[-1].argmax())]
+    for _ in range(5):
+        want.append(int(model(torch.tensor(want[-1:]), cache).logits[-1].argmax()))
+    assert tps > 0 and tokens == want

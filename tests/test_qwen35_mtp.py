@@ -114,14 +114,16 @@ def test_mtp_is_the_default_method_of_a_model_that_ships_it(tmp_path, capsys, mo
     assert default_method(str(without), None) == "lookup"
     assert default_method(str(with_mtp), "some-draft") == "hybrid"
     outs = []
-    for extra in ([], ["--method", "ar"]):
+    for extra in ([], ["--method", "mtp"], ["--method", "ar"]):  # the default, named, and plain decoding
         rc = main(["generate", "--model", str(with_mtp), *extra, "-n", "12", "--stats", "--no-progress",
                    " ".join(f"t{i}" for i in prompt(12))])
         out, err = capsys.readouterr()
         assert rc == 0, err
         outs.append((out, json.loads(err.strip().splitlines()[-1])))
-    assert outs[0][1]["method"] == "mtp" and outs[0][1]["drafted_tokens"] > 0
-    assert outs[0][0] == outs[1][0]
+    for out, stats in outs[:2]:
+        assert stats["method"] == "mtp" and stats["drafted_tokens"] > 0
+        assert out == outs[2][0] and out.strip()
+    assert outs[2][1]["method"] == "ar"
 
 
 def test_the_server_offers_what_a_qwen35_can_run(big, tmp_path):

@@ -161,23 +161,26 @@ def prefill_tps(model: Transformer, ids: Sequence[int], repeats: int = 3) -> flo
 def decode_tps(model: Transformer, ids: Sequence[int], tokens: int, warmup: int = WARMUP_STEPS) -> tuple[float, list[int]]:
     """Greedy decode of `tokens` tokens after the prompt `ids`, one forward per token.
 
-    Returns (tok/s, the greedy continuation: the prefill's token, then the `tokens` decoded ones)."""
-    cache = model.new_cache(len(ids) + max(tokens, warmup) + 1)
+    Returns (tok/s, the greedy continuation: the prefill's token, then the `tokens` decoded ones). The warm-up and
+    the timed run each start from their own prefill: a recurrent model's cache (Qwen3.5's) cannot roll back across
+    the warm-up's one-token passes."""
     prompt = torch.tensor(list(ids), device=model.device)
-    first = int(top_token(model(prompt, cache, logit_rows=slice(-1, None)).logits[0]))
-    base = cache.length
 
-    def run(n: int) -> list[int]:
-        cache.rollback(base)
+    def prefill() -> tuple[object, int]:
+        cache = model.new_cache(len(ids) + max(tokens, warmup) + 1)
+        return cache, int(top_token(model(prompt, cache, logit_rows=slice(-1, None)).logits[0]))
+
+    def run(n: int, cache, first: int) -> list[int]:
         tok, out = first, []
         for _ in range(n):
             tok = int(top_token(model(torch.tensor([tok], device=model.device), cache).logits[-1]))
             out.append(tok)
         return out
 
-    run(warmup)
+    run(warmup, *prefill())
+    cache, first = prefill()
     t = time.perf_counter()
-    out = run(tokens)
+    out = run(tokens, cache, first)
     return tokens / (time.perf_counter() - t), [first, *out]
 
 

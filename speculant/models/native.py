@@ -32,7 +32,8 @@ from ..errors import SpeculantError
 
 _KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 KQUANT_SOURCE = _KERNELS / "kquant.c"
-SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c")
+SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS / "rows.c", _KERNELS / "blocks.c",
+           _KERNELS / "delta.c")
 PORTABLE_SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE)
 # included by the sources: part of the build's hash (gq.c's parts, in their include order, and simd.h)
 HEADERS = tuple(_KERNELS / h for h in ("gq_types.h", "gq_decode.h", "gq_dot_k.h", "gq_dot_32.h", "gq_dequant.h",

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..errors import SpeculantError
 from .formats.base import QLinear
+from .delta_rule import delta_rule
 from .qwen35_config import Qwen35Config
 from .recurrent_cache import HybridCache
 from .rotary import tables
@@ -74,25 +75,19 @@ class DeltaNet(nn.Module):
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         if hv != hk and self.tiled:  # key head j serves value heads j, j + hk, j + 2 hk, ...
             q, k = q.repeat(1, hv // hk, 1), k.repeat(1, hv // hk, 1)
-        elif hv != hk:  # each key head serves hv / hk consecutive value heads
-            q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
-        state = cache.state[li]
-        states = [state]
-        outs = []
+        elif hv != hk:  # each key head serves hv / hk consecutive value heads (a copy: repeat_interleave's
+            # index arithmetic costs more than the copy on a decode step)
+            q, k = (x[:, :, None].expand(S, hk, hv // hk, dk).reshape(S, hv, dk) for x in (q, k))
+        beta, decay = [], []
         for t in range(S):
             # the gates of one token at a time: torch's elementwise ops round a few-value tensor (scalar loop)
             # unlike a longer one (vector loop), so the gates of S tokens at once would differ from decoding's
-            beta = b[t].sigmoid()  # [hv]
-            decay = (self.neg_a * F.softplus(a[t] + self.dt_bias)).exp()
-            state = state * decay[:, None, None]
-            kt = k[t]
-            mem = torch.bmm(kt[:, None], state)[:, 0]  # [hv, dv]
-            delta = (v[t] - mem) * beta[:, None]
-            state = state + kt[:, :, None] * delta[:, None, :]
-            outs.append(torch.bmm(q[t][:, None], state)[:, 0])
-            states.append(state)
-        cache.record(li, xs, states, S <= ROW_WISE_MAX)
-        o = rms_norm(torch.stack(outs).reshape(S * hv, dv), self.norm, self.eps)
+            beta.append(b[t].sigmoid())  # [hv]
+            decay.append((self.neg_a * F.softplus(a[t] + self.dt_bias)).exp())
+        every = S <= ROW_WISE_MAX
+        states, outs = delta_rule(cache.state[li], q, k, v, torch.stack(beta), torch.stack(decay), every)
+        cache.record(li, xs, [cache.state[li], *states], every)
+        o = rms_norm(outs.reshape(S * hv, dv), self.norm, self.eps)
         o = (o.view(S, vd) * _rows(F.silu, z)).reshape(S, vd)
         return self.out_proj(o)
 
