@@ -146,7 +146,10 @@ def speculative_rounds(bin_dir: Path, target: Path, prompt: str, spec_type: str,
             rounds.append(SpecRound([max(c, key=c.get) for c in steps], int(a[1]), steps))
             steps = []
     counts = {key: int(v) for key, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", out)}
-    return done.stdout, rounds, counts["n_drafted"], counts["n_accept"]
+    # llama.cpp's logger writes from a thread of its own that the process does not wait for at exit (its
+    # common/log.cpp says so), so on a busy machine the closing summary can be missing: then the rounds' own sums.
+    drafted = counts.get("n_drafted", sum(len(r.chain) for r in rounds))
+    return done.stdout, rounds, drafted, counts.get("n_accept", sum(r.accepted for r in rounds))
 
 
 def equal_rounds(chains: list[list[int]], counts: list[int], theirs: list[SpecRound], k: int,
