@@ -84,7 +84,7 @@ REAL_MODELS_KEPT = 2  # a target and its draft (tests/test_real_spec.py) are the
 def real_model_cache():
     """Loaded real models by (preset, dtype), shared across the session (loading costs seconds). Only the
     REAL_MODELS_KEPT most recently used stay loaded: the float32 and int8 copies of the 0.5B and 1.5B take
-    gigabytes each, and a worker that kept every one grew past 13 GB and was killed for memory."""
+    gigabytes each, and a worker that kept every one could exhaust a small host's memory."""
     import gc
     from collections import OrderedDict
 
