@@ -53,7 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fixed k; heuristic: grow on full acceptance, shrink otherwise; auto (default): heuristic, "
                         "then the length that measured acceptance and verification cost favour (greedy or "
                         "unseeded runs; seeded ones keep heuristic)")
-    p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length (at most 31: the target checks 1 + k tokens per pass)")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="upper bound of the adaptive draft length (default 6, or a block drafter's block less one; at most 31: the target checks 1 + k tokens per pass)")
     p.add_argument("--min-confidence", type=float, default=None,
                    help="draft model stops drafting when its top probability falls below this (default 0.5; 0 = never)")
     p.add_argument("--draft-vocab", type=int, default=None,
@@ -169,7 +169,7 @@ def load_engine(args: argparse.Namespace):
     heads = HeadsConfig(args.heads or drafter, args.tree_nodes or hc.nodes, args.tree_depth or hc.depth, args.tree_topk or hc.topk)
     dl, dm, lk = DraftLengthConfig(), DraftModelConfig(), LookupConfig()
     k = args.draft_tokens if args.draft_tokens is not None else dl.k
-    mk = args.max_draft_tokens if args.max_draft_tokens is not None else max(dl.max_k, k)
+    mk = args.max_draft_tokens  # None: the method's default (DraftLengthConfig.limit)
     cfg = MethodConfig(
         method,
         DraftLengthConfig(k, args.draft_schedule or dl.schedule, mk),

@@ -1,5 +1,7 @@
 """Drafters in isolation: prompt lookup's n-gram index and the adaptive draft length."""
 
+import math
+
 import pytest
 
 from speculant.errors import SpeculantError
@@ -90,6 +92,30 @@ def test_auto_draft_length_verify_cost_between_and_beyond_measured_lengths():
     assert dl.verify_seconds(4) == pytest.approx(1.75)  # interpolated
     assert dl.verify_seconds(7) == pytest.approx(4.0)  # extrapolated along 3 -> 5 rows
     assert dl.verify_seconds(2) == 1.0  # below the shortest: the shortest
+
+
+def test_a_block_drafter_is_priced_per_round_and_may_draft_its_whole_block():
+    """DFlash proposes a block in one pass whatever k: T(k) = t_round + t_verify(k + 1). Priced per token, the
+    same measurements make a long block look k times dearer and the policy drafts short."""
+    assert DraftLengthConfig().limit() == 6 and DraftLengthConfig(k=8).limit() == 8
+    assert DraftLengthConfig().limit(block=16) == 15 and DraftLengthConfig().limit(block=64) == 31
+    assert DraftLengthConfig(max_k=4).limit(block=16) == 4  # a length the user set stands
+
+    def policy(block: int) -> DraftLength:
+        dl = DraftLength(DraftLengthConfig(k=4, schedule="auto", warmup=1), timed=True, block=block)
+        for j in range(1, dl.max_k + 1):  # every draft accepted 9 times in 10 where reached
+            dl.reached[j], dl.kept[j] = 1000, 900
+        for k in (2, 4, 8, 15):  # a round: the drafter's pass 100 ms, verification 35 ms + 1 ms a row
+            dl.observe(k, 0.100, (35 + k + 1) / 1000)
+        return dl
+
+    block, per_token = policy(16), policy(0)
+    assert block.max_k == 15 and per_token.max_k == 6
+    a = block.acceptance()
+    rate = {k: (1 + sum(math.prod(a[1 : j + 1]) for j in range(1, k + 1))) / (0.100 + (36 + k) / 1000)
+            for k in range(1, 16)}
+    assert block.k == max(rate, key=rate.get) == 15
+    assert per_token.k < 6  # 100 ms a round spread over its drafts, then charged k times
 
 
 @pytest.mark.parametrize("kwargs", [{"k": 0}, {"k": 5, "max_k": 4}, {"schedule": "sometimes"}, {"warmup": 0}])

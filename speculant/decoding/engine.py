@@ -223,7 +223,7 @@ class Engine:
     def _begin(self, ids: list[int], gen: GenerationConfig, cache: PromptCache | None) -> "_Run":
         """One generation's state: its caches, sampler, drafter, governor, draft-length policy and output."""
         # tree drafters (exact/tree.py) declare their nodes per round, chains follow the draft-length policy
-        k_max = 0 if self.method.name == "ar" else max(self.method.draft_length.max_k, MAX_DRAFT_TOKENS)
+        k_max = 0 if self.method.name == "ar" else MAX_DRAFT_TOKENS
         max_len = min(self.target.config.context_length, len(ids) + gen.max_new_tokens + k_max + 2)
         kept = cache or self.prompt_cache(reuse=False)
         # target and drafter sample through one Sampler: its penalties count the same context
@@ -234,7 +234,7 @@ class Engine:
         governor = Governor(self.method.governor, drafter is not None and self.method.governor.governs(gen.sampling),
                             self._governor_memory)
         # the auto draft length reads the clock where the governor may (draft_length.py)
-        policy = DraftLength(self.method.draft_length, timed=governor.active)
+        policy = DraftLength(self.method.draft_length, timed=governor.active, block=drafter.block if drafter else 0)
         stops = frozenset() if gen.ignore_eos else frozenset(
             gen.stop_token_ids if gen.stop_token_ids is not None else self.tokenizer.eos_ids)
         # hidden states the drafter reads (methods/base.py): asked of every target forward, handed over

@@ -51,11 +51,14 @@ class Drafter:
     taps, `start` and `commit` get `hidden=`: {tap: [R, D] float32} rows of the target's forward for the R
     tokens that just became context, in order. Without taps the engine never passes `hidden=`, so chain
     drafters keep their signatures. `nodes` (tree drafters) is the fixed node count of every round's
-    tree; None = chains, whose length the draft-length policy sets."""
+    tree; None = chains, whose length the draft-length policy sets. `block` > 0: a block drafter, whose one
+    pass of `block` rows proposes up to block - 1 drafts at the same cost whatever k (DFlash), which the
+    draft-length policy prices per round (methods/draft_length.py); 0: each draft costs its own work."""
 
     name: str = ""
     taps: tuple[int, ...] = ()
     nodes: int | None = None
+    block: int = 0
 
     def start(self, prompt: list[int]) -> None:
         """Begin a generation whose context is `prompt` (all of it committed, nothing pending).

@@ -77,8 +77,9 @@ def parse_method(spec: str, base: MethodConfig | None = None) -> MethodConfig:
             parts.setdefault(group, {})[field_name] = cast(value)
         except ValueError:
             raise SpeculantError(f"method option {key} must be {cast.__name__}, got {value!r}") from None
-    dl = cfg.draft_length
-    if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"]:
+    dl = cfg.draft_length  # an unset max_k follows k (DraftLengthConfig.limit); a set one grows to k
+    if "draft_length" in parts and "k" in parts["draft_length"] and "max_k" not in parts["draft_length"] and \
+            dl.max_k is not None:
         parts["draft_length"]["max_k"] = max(dl.max_k, int(parts["draft_length"]["k"]))
     return replace(cfg, **{g: replace(getattr(cfg, g), **kv) for g, kv in parts.items()})
 

@@ -37,7 +37,7 @@ class DFlashDrafter(Drafter):
         self.model, self.target, self.sampler = model, target, sampler
         self._order = cfg.taps(target.cfg.n_layers)  # the features' order in fc's input
         self.taps = tuple(dict.fromkeys(self._order))  # each layer tapped once
-        self.block_size = cfg.block_size
+        self.block_size = self.block = cfg.block_size
         self.vocab = target.cfg.vocab_size
         n = target.cos.shape[0]  # the target's positions: the rotary rows a block may reach
         self.positions = n

@@ -18,7 +18,10 @@ takes for the next round the k in [1, max_k] that maximizes
 a_i = the share of i-th drafts accepted among the rounds that reached them (all drafts before them
 accepted), t_draft = drafting seconds per drafted token, t_verify(r) = the mean seconds from the end
 of drafting to the end of a round whose pass had r rows (lengths not measured yet: interpolated, or
-extrapolated along the two longest measured). Measured against the heuristic and a hand-picked max_k=4
+extrapolated along the two longest measured). A block drafter (DFlash: one pass proposes a whole block,
+`Drafter.block`) pays the same for any k, so there T(k) = t_round + t_verify(k + 1), t_round = drafting
+seconds per round, and max_k defaults to the block's length: pricing its block per token made long drafts
+look k times dearer than they are. Measured against the heuristic and a hand-picked max_k=4
 (docs/measurements.md "Draft length"), it finds about what the hand-picked length gives, without the hand,
 and drafts long where acceptance is high (HumanEval's most predictable prompts) or extra rows are cheap.
 
@@ -40,6 +43,7 @@ from ..models.transformer import ROW_WISE_MAX
 # bf16 GEMMs), whose rounding differs. Hence at most ROW_WISE_MAX - 1 drafts per round.
 MAX_DRAFT_TOKENS = ROW_WISE_MAX - 1
 SCHEDULES = ("auto", "fixed", "heuristic")
+DEFAULT_MAX_K = 6  # DraftLengthConfig's docstring
 # a_1 as assumed before any round, with the weight of PRIOR_ROUNDS rounds; a_j (j > 1) starts from a_{j-1}
 # with the same weight, so lengths not reached yet are neither ruled out nor taken on trust
 FIRST_ACCEPTANCE = 0.8
@@ -50,23 +54,24 @@ PRIOR_ROUNDS = 4.0
 class DraftLengthConfig:
     """How many tokens to draft per round (the module docstring).
 
-    max_k = 6 because verification stops being nearly free beyond ~4-6 tokens with 4-bit weights
-    (`speculant bench speed`'s cost curve): on HumanEval max_k=6 beat 16 for draft and hybrid
-    (`speculant bench methods`; docs/measurements.md "Draft length").
+    max_k None (unset) means DEFAULT_MAX_K (at least k) for drafters that pay per drafted token, and the
+    block's length less one for a block drafter (`limit`). DEFAULT_MAX_K = 6 because verification stops being
+    nearly free beyond ~4-6 tokens with 4-bit weights (`speculant bench speed`'s cost curve): on HumanEval
+    max_k=6 beat 16 for draft and hybrid (`speculant bench methods`; docs/measurements.md "Draft length").
     """
 
     k: int = 4
     schedule: str = "auto"
-    max_k: int = 6
+    max_k: int | None = None
     warmup: int = 6  # auto: timed rounds on the heuristic schedule before the measured choice (one pass is noise)
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.max_k < self.k:
+        if self.k < 1 or (self.max_k is not None and self.max_k < self.k):
             raise SpeculantError(f"draft tokens must satisfy 1 <= k ({self.k}) <= max ({self.max_k})")
-        if self.max_k > MAX_DRAFT_TOKENS:
+        if max(self.k, self.max_k or 0) > MAX_DRAFT_TOKENS:
             raise SpeculantError(
                 f"at most {MAX_DRAFT_TOKENS} draft tokens per round are supported (--max-draft-tokens/--draft-tokens, "
-                f"got {self.max_k}): the target checks 1 + k tokens in one pass, and only passes of up to "
+                f"got {max(self.k, self.max_k or 0)}): the target checks 1 + k tokens in one pass, and only passes of up to "
                 f"{ROW_WISE_MAX} tokens give bit-for-bit the results of decoding one token at a time, which "
                 "keeps greedy output identical to --method ar")
         if self.schedule not in SCHEDULES:
@@ -74,22 +79,31 @@ class DraftLengthConfig:
         if self.warmup < 1:
             raise SpeculantError(f"draft-length warmup must be >= 1 round, got {self.warmup}")
 
+    def limit(self, block: int = 0) -> int:
+        """The most drafts a round may propose: max_k if set; else the block's length less one for a block
+        drafter of `block` rows, DEFAULT_MAX_K otherwise (never below k)."""
+        if self.max_k is not None:
+            return self.max_k
+        return max(self.k, min(block - 1, MAX_DRAFT_TOKENS) if block else DEFAULT_MAX_K)
+
 
 class DraftLength:
     """The draft length of one generation (state lives here, not in module globals): `update` after every
     round, `observe` after every speculative one."""
 
-    def __init__(self, cfg: DraftLengthConfig, timed: bool = False) -> None:
+    def __init__(self, cfg: DraftLengthConfig, timed: bool = False, block: int = 0) -> None:
         self.cfg = cfg
+        self.max_k = cfg.limit(block)
+        self.block = block > 0  # drafting costs one pass per round, whatever k (Drafter.block)
         self.k = cfg.k
         self.measured = timed and cfg.schedule == "auto"
         # [j] for draft position j = 1..max_k: rounds that reached it (every draft before it accepted), and
         # of those, the rounds that accepted it
-        self.reached = [0] * (cfg.max_k + 1)
-        self.kept = [0] * (cfg.max_k + 1)
+        self.reached = [0] * (self.max_k + 1)
+        self.kept = [0] * (self.max_k + 1)
         self.verify: dict[int, tuple[float, int]] = {}  # pass rows -> (seconds, rounds)
         self.draft_seconds = 0.0
-        self.drafted = 0
+        self.drafted = 0  # drafted tokens (rounds, for a block drafter)
 
     def update(self, n_accepted: int, n_drafted: int) -> None:
         if self.cfg.schedule == "fixed" or n_drafted == 0:
@@ -97,7 +111,7 @@ class DraftLength:
         for j in range(1, min(n_drafted, n_accepted + 1) + 1):
             self.reached[j] += 1
             self.kept[j] += j <= n_accepted
-        self.k = min(self.k + 2, self.cfg.max_k) if n_accepted == n_drafted else max(self.k - 1, 1)
+        self.k = min(self.k + 2, self.max_k) if n_accepted == n_drafted else max(self.k - 1, 1)
 
     def observe(self, n_drafted: int, draft_seconds: float, verify_seconds: float) -> None:
         """A speculative round drafted n_drafted tokens in draft_seconds; the target's pass over them (1 +
@@ -107,7 +121,7 @@ class DraftLength:
         s, n = self.verify.get(n_drafted + 1, (0.0, 0))
         self.verify[n_drafted + 1] = (s + verify_seconds, n + 1)
         self.draft_seconds += draft_seconds
-        self.drafted += n_drafted
+        self.drafted += 1 if self.block else n_drafted
         if self.rounds >= self.cfg.warmup:
             self.k = self.best()
 
@@ -119,7 +133,7 @@ class DraftLength:
     def acceptance(self) -> list[float]:
         """a_j for j = 1..max_k (index 0 unused): measured, pulled towards a_{j-1} while rounds are few."""
         a, prev = [1.0], FIRST_ACCEPTANCE
-        for j in range(1, self.cfg.max_k + 1):
+        for j in range(1, self.max_k + 1):
             prev = (self.kept[j] + PRIOR_ROUNDS * prev) / (self.reached[j] + PRIOR_ROUNDS)
             a.append(prev)
         return a
@@ -134,15 +148,18 @@ class DraftLength:
 
     def best(self) -> int:
         """The k in [1, max_k] with the most expected tokens per second, E(k) / T(k) (module docstring)."""
-        t_draft = self.draft_seconds / max(self.drafted, 1)
+        t_draft = self.draft_seconds / max(self.drafted, 1)  # per token, or per round for a block drafter
         mean = self._means()  # once a round, not once per k
         best, best_rate, tokens, p = self.k, 0.0, 1.0, 1.0
         for k, a in enumerate(self.acceptance()[1:], start=1):
             p *= a
             tokens += p
             t = _estimate(mean, k + 1)
-            if t is not None and k * t_draft + t > 0 and tokens / (k * t_draft + t) > best_rate:
-                best, best_rate = k, tokens / (k * t_draft + t)
+            if t is None:
+                continue
+            t += t_draft if self.block else k * t_draft
+            if t > 0 and tokens / t > best_rate:
+                best, best_rate = k, tokens / t
         return best
 
 

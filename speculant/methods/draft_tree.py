@@ -111,5 +111,5 @@ class DraftTreeDrafter(Drafter):
 
 
 SPEC = MethodSpec("draft_tree", "the draft model's chain plus its runner-up tokens, verified as one tree",
-                  build=lambda c: DraftTreeDrafter(build(c), c.method.draft_tree, c.method.draft_length.max_k),
+                  build=lambda c: DraftTreeDrafter(build(c), c.method.draft_tree, c.method.draft_length.limit()),
                   loads="draft", tree=True)
