@@ -322,7 +322,7 @@ def test_parse_method_variants():
     m = parse_method("draft:k=3,schedule=fixed,conf=0.4,vocab=32768")
     assert (m.name, m.draft_length.k, m.draft_length.schedule) == ("draft", 3, "fixed")
     assert (m.draft_model.min_confidence, m.draft_model.vocab) == (0.4, 32768)
-    assert parse_method("lookup:ngram=5,k=20").draft_length.max_k == 20
+    assert parse_method("lookup:ngram=5,k=20").draft_length.limit() == 20
     with pytest.raises(SpeculantError, match="bad method option"):
         parse_method("draft:speed=11")
     with pytest.raises(SpeculantError, match="must be int"):
