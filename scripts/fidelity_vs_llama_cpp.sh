@@ -1,9 +1,10 @@
 #!/bin/bash
 # Fidelity against float32, speculant's `gguf` default and llama.cpp side by side on one GGUF file and one
 # held-out text, each engine against its own float32 run of the file, in llama-perplexity's protocol: the
-# text in chunks of 512 tokens, each from an empty cache, the second half of each scored
-# (speculant/bench/speed.py: FIDELITY_CTX). The `long` text (bench.speed.fidelity_text(long=True), ~20
-# chunks, ~5,000 positions) halves the standard error of a top-1 agreement against the 4 chunks of `short`.
+# text in chunks of 512 tokens, each from an empty cache and starting with BOS where the model takes one, the
+# second half of each scored (speculant/bench/speed.py: FIDELITY_CTX, fidelity_chunks). The `long` text
+# (bench.speed.fidelity_text(long=True), ~20 chunks, ~5,000 positions) halves the standard error of a top-1
+# agreement against the 4 chunks of `short`.
 # llama.cpp's float32 run is an F32 copy made by llama-quantize, with its default f16 KV cache; speculant's
 # reference is scored both with a float32 cache and, as llama.cpp's, with an f16 one.
 # Needs a llama.cpp build with llama-quantize and llama-perplexity (scripts/vs_llama_cpp.sh says how).
@@ -29,7 +30,7 @@ echo "== speculant: float32 (each chunk one pass, the prompt route), then gguf (
 SPECULANT_THREADS=$T $PY - "$NAME" "$W/text.txt" <<'PY'
 import sys
 import torch
-from speculant.bench.speed import FIDELITY_CTX, compare_logits, text_logits
+from speculant.bench.speed import FIDELITY_CTX, compare_logits, fidelity_chunks, text_logits
 from speculant.models import load_model
 from speculant.models.cache import kv_dtype as kv_dtype_of
 
@@ -41,8 +42,7 @@ ids = q.tokenizer.encode(open(path).read())
 chunks = len(ids) // FIDELITY_CTX
 half = slice(FIDELITY_CTX // 2, FIDELITY_CTX - 1)
 sums = {kv: [0.0, 0.0, 0] for kv in refs}  # KL sum, agreeing positions, positions
-for c in range(chunks):
-    part = ids[c * FIDELITY_CTX:(c + 1) * FIDELITY_CTX]
+for c, part in enumerate(fidelity_chunks(ids, chunks, bos=q.tokenizer.prompt_bos)):  # BOS first, as llama.cpp's
     got = text_logits(q.model, part)[half]
     for kv, dtype in refs.items():
         ref.kv_dtype = dtype

@@ -30,7 +30,8 @@ def main() -> None:
     configure_threads()
     ref = load_model(a.model, "float32", progress=False)
     ids = ref.tokenizer.encode(fidelity_text())
-    want = fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512)
+    bos = ref.tokenizer.prompt_bos  # each chunk starts with it, as in llama-perplexity
+    want = fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512, bos=bos)
 
     def report(label: str, logits: torch.Tensor) -> None:
         got = compare_logits(a.model, label, want, logits)
@@ -39,13 +40,14 @@ def main() -> None:
 
     for name in ("f16", "q8_0"):
         ref.model.kv_dtype = kv_dtype(name)
-        report(f"float32 weights, {name} cache", fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512))
+        got = fidelity_logits(ref.model, ids, chunks=a.chunks, pass_len=512, bos=bos)
+        report(f"float32 weights, {name} cache", got)
     del ref
     gc.collect()
     ours = load_model(a.model, None, progress=False)
     for name in KV_DTYPES:
         ours.model.kv_dtype = kv_dtype(name)
-        report(f"{ours.dtype} weights, {name} cache", fidelity_logits(ours.model, ids, chunks=a.chunks))
+        report(f"{ours.dtype} weights, {name} cache", fidelity_logits(ours.model, ids, chunks=a.chunks, bos=bos))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from speculant.bench.prompts import Prompt, find_specbench_file, load_humaneval,
 from speculant.bench.peers import LLAMA_CPP_HINT, gguf_weight_info, llama_cpp_available
 from speculant.bench.report import (Table, bar_chart, fmt, load_note, machine_info, to_markdown, write_json,
                                     write_markdown)
-from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, fidelity_logits,
-                                   measure_bandwidth, measure_model, prefill_tps, text_logits)
+from speculant.bench.speed import (SpeedConfig, bench_ids, compare_logits, cost_curve, decode_tps, fidelity_chunks,
+                                   fidelity_logits, measure_bandwidth, measure_model, prefill_tps, text_logits)
 from speculant.bench.speed_run import SpeedResult, speed_tables
 from speculant.decoding.engine import Engine
 from speculant.methods.config import MethodConfig
 from speculant.errors import SpeculantError
 from speculant.decoding.stats import Stats
+from speculant.text.tokenizer import Tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -427,3 +428,22 @@ def test_fidelity_scores_the_second_half_of_each_chunk_from_an_empty_cache(tiny)
         assert torch.equal(got[7 * c:7 * (c + 1)], alone[8:15])
     with pytest.raises(SpeculantError, match="needs 48 tokens"):
         fidelity_logits(tiny.model, ids, chunks=3, ctx=16)
+
+
+def test_fidelity_starts_every_chunk_with_bos_as_llama_perplexity_does(tiny) -> None:
+    # llama-perplexity replaces each chunk's first token by BOS where the model takes one; chunks that start
+    # mid-text without it put Gemma 3 270M's Q4_K_M twice as far from float32 as llama.cpp's (issue 47)
+    ids = [3 + (7 * i) % 29 for i in range(40)]
+    bos = 1
+    assert fidelity_chunks(ids, 2, ctx=16, bos=bos) == [[bos] + ids[1:16], [bos] + ids[17:32]]
+    assert fidelity_chunks(ids, 2, ctx=16) == [ids[:16], ids[16:32]]  # no BOS: the text as it is
+    got = fidelity_logits(tiny.model, ids, chunks=2, ctx=16, bos=bos)
+    for c in range(2):
+        alone = text_logits(tiny.model, [bos] + ids[16 * c + 1:16 * (c + 1)])
+        assert torch.equal(got[7 * c:7 * (c + 1)], alone[8:15])
+    assert not torch.equal(got[7:], fidelity_logits(tiny.model, ids, chunks=2, ctx=16)[7:])
+    backend = tiny.tokenizer._backend
+    takes = Tokenizer(backend, bos_id=bos, eos_id=None, add_bos=True)
+    assert takes.prompt_bos == bos and takes.encode("t5")[0] == bos  # the id encode puts first
+    assert Tokenizer(backend, bos_id=bos, eos_id=None, add_bos=False).prompt_bos is None
+    assert tiny.tokenizer.prompt_bos is None  # no BOS id at all

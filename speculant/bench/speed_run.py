@@ -76,7 +76,7 @@ def run_speed(cfg: SpeedConfig, *, threads: int, progress: bool = True, err: Con
                     text = lm.tokenizer.encode(fidelity_text())
                     chunks = min(FIDELITY_CHUNKS, len(text) // FIDELITY_CTX)
                     if chunks:
-                        logits[dtype] = fidelity_logits(lm.model, text, chunks)
+                        logits[dtype] = fidelity_logits(lm.model, text, chunks, bos=lm.tokenizer.prompt_bos)
                 del lm
                 gc.collect()
                 bar.advance(task)

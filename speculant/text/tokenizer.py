@@ -176,6 +176,11 @@ class Tokenizer:
         return cls(backend, bos_id=bos, eos_id=eos, eos_ids=frozenset(stops), add_bos=bool(add_bos),
                    chat_template=template if isinstance(template, str) else None)
 
+    @property
+    def prompt_bos(self) -> int | None:
+        """The BOS id that `encode` puts before a text, or None where the model takes none."""
+        return self.bos_id if self.add_bos else None
+
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it become those tokens. BOS only if the model asks."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
