@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+
+
+@contextlib.contextmanager
+def hf_gguf_loading():
+    """transformers, loading a GGUF file, builds gguf's TensorNameMap anew for each of the model's hundreds of
+    submodules (most of the name mapping's cost); the map depends on (architecture, layers) alone and is only
+    read, so it is built once per pair while this context lasts. What transformers reads and computes is
+    unchanged."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def no_weight_init():
+    """transformers' context that skips the random initialization of a model whose weights are loaded next
+    (transformers.initialization in v5, modeling_utils before)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def logit_gap(ours, ref, id_lists: list[list[int]]) -> tuple[float, int, int]:
