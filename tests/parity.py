@@ -10,18 +10,26 @@ import torch
 
 @contextlib.contextmanager
 def hf_gguf_loading():
-    """transformers, loading a GGUF file, builds gguf's TensorNameMap anew for each of the model's hundreds of
-    submodules (most of the name mapping's cost); the map depends on (architecture, layers) alone and is only
-    read, so it is built once per pair while this context lasts. What transformers reads and computes is
-    unchanged."""
+    """transformers, loading from a GGUF file, parses the whole file (every vocabulary string) once for the
+    config, again for the weights and again for a tokenizer, and builds gguf's TensorNameMap anew for each of
+    the model's hundreds of submodules; both depend on their arguments alone and are only read, so while this
+    context lasts each is built once. What transformers reads and computes is unchanged."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.cache(original)
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def read(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(name_map)
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def no_weight_init():

@@ -52,6 +52,7 @@ def build_folder(preset: str, dest: Path) -> Path:
     gguf = resolve_model(preset)
     with hf_gguf_loading():
         quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{_dtype_kw(): torch.float32})
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights saved are plain floats
@@ -60,7 +61,7 @@ def build_folder(preset: str, dest: Path) -> Path:
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
     model.save_pretrained(dest, **({"max_shard_size": shard} if shard else {}))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
     return dest
 
 
