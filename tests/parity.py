@@ -2,7 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+
+
+@contextlib.contextmanager
+def hf_gguf_loading():
+    """transformers, loading from a GGUF file, parses the whole file (every vocabulary string) once for the
+    config, again for the weights and again for a tokenizer, and builds gguf's TensorNameMap anew for each of
+    the model's hundreds of submodules; both depend on their arguments alone and are only read, so while this
+    context lasts each is built once. What transformers reads and computes is unchanged."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def read(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def no_weight_init():
+    """transformers' context that skips the random initialization of a model whose weights are loaded next
+    (transformers.initialization in v5, modeling_utils before)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def logit_gap(ours, ref, id_lists: list[list[int]]) -> tuple[float, int, int]:

@@ -49,6 +49,22 @@ def test_train_resume_and_draft(method, corpus, tmp_path):
     assert done.token_ids == ref and done.stats.accepted_tokens > 0
 
 
+def test_heads_train_in_bf16_only_where_the_cpu_multiplies_it():
+    """bf16 autocast where the CPU has bf16 instructions; elsewhere (AVX2, AVX512 without BF16) oneDNN emulates
+    bf16 matmuls many times slower than float32 ones, so training runs in float32 there."""
+    from speculant.heads.config import default_config
+    from speculant.heads.modules import build_head
+    from speculant.models.native import bf16_native
+    from speculant.training.train import Trainer
+
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    assert not bf16_native({"avx2", "fma", "f16c"}) and not bf16_native(avx512)
+    assert bf16_native(avx512 | {"avx512_bf16"}) and bf16_native({"avx2", "amx_bf16"})
+    target = tiny_model(32)
+    head = build_head(default_config("eagle3", target.config, 24))
+    assert Trainer(target.model, head, TrainConfig("eagle3")).bf16 == bf16_native()
+
+
 def test_the_saved_head_is_the_best_held_out_one(tmp_path):
     """A head that got worse on held-out text after its best evaluation is not what the run leaves:
     the folder keeps the weights of the best evaluation, the run's last metrics beside them; a resumed
@@ -157,10 +173,12 @@ def test_real_smollm2_trained_eagle3_matches_ar(real_model_cache, tmp_path):
 
     target = real_model_cache("smollm2-135m-instruct", "gguf")
     out = tmp_path / "smol-eagle3"
-    # bounded by 2 epochs; the 5 minutes are room for slow or shared hosts (too short a budget leaves no
-    # training step after the feature extraction: validation loss unchanged)
-    stats = train(target, TrainConfig("eagle3", minutes=5.0, batch=4, draft_vocab=8192, epochs=2), DataConfig(tokens=8192),
-                  default_sources(), out, progress=False)
+    # bounded by 2 epochs of 64-token sequences (16 of them: 8 steps, the real shapes but for the sequence
+    # length); the 5 minutes are room for slow or shared hosts (too short a budget leaves no training step
+    # after the feature extraction: validation loss unchanged)
+    stats = train(target, TrainConfig("eagle3", minutes=5.0, batch=4, draft_vocab=8192, epochs=2),
+                  DataConfig(seq_len=64, tokens=1024), default_sources(), out, progress=False)
+    assert stats["epochs"] == 2 and stats["steps"] == 8  # the whole recipe ran, not a time-cut part of it
     assert stats["val"]["loss"] < stats["val_start"]["loss"]
     prompt = "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n"
     gen = GenerationConfig(max_new_tokens=48)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import logit_gap, reference_greedy
+from parity import hf_gguf_loading, logit_gap, no_weight_init, reference_greedy
 
 from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.methods.config import MethodConfig
@@ -50,15 +50,18 @@ def build_folder(preset: str, dest: Path) -> Path:
 
     dtype, shard = BUILDS[preset]
     gguf = resolve_model(preset)
-    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{_dtype_kw(): torch.float32})
+    with hf_gguf_loading():
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{_dtype_kw(): torch.float32})
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights saved are plain floats
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with no_weight_init():  # every weight is loaded from the state dict next
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
     model.save_pretrained(dest, **({"max_shard_size": shard} if shard else {}))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
     return dest
 
 

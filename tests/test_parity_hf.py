@@ -5,7 +5,7 @@ Our float32 path must give the same logits (up to float rounding) and the same g
 
 import pytest
 import torch
-from parity import logit_gap, reference_greedy
+from parity import hf_gguf_loading, logit_gap, reference_greedy
 
 from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.hub import resolve_model
@@ -25,7 +25,8 @@ def pair(request, real_model_cache):
 
     name = request.param
     path = resolve_model(name)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with hf_gguf_loading():
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf.eval()
     yield name, real_model_cache(name, "float32"), hf
     del hf
@@ -56,7 +57,8 @@ def test_bench_peers_run_transformers_generate_with_each_method(real_model_cache
     name = "smollm2-135m-instruct"
     ours = real_model_cache(name, "float32")
     path = resolve_model(name)
-    peers = TransformersPeers(path, path, ours.tokenizer.eos_id)
+    with hf_gguf_loading():
+        peers = TransformersPeers(path, path, ours.tokenizer.eos_id)
     assert peers.methods == ("hf-ar", "hf-assisted", "hf-lookup")
     ids = ours.tokenizer.encode(PROMPTS[1])
     ref = Engine(ours).generate(ids, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids

@@ -17,6 +17,24 @@ PROMPTS = [
 ]
 
 
+# first in the file: the real-model cache still holds its two models for the gguf tests that follow
+def test_every_method_matches_autoregressive_greedy_with_a_q8_0_cache(real_model_cache, monkeypatch):
+    """--kv-dtype q8_0 (target and draft: heads of 128 and 64 values, 4 and 2 blocks) on the real models: draft,
+    lookup and hybrid still emit ar's tokens."""
+    import torch
+
+    target, draft = real_model_cache(TARGET, "gguf"), real_model_cache(DRAFT, "q4_0")
+    for m in (target, draft):
+        monkeypatch.setattr(m.model, "kv_dtype", torch.int8)  # cache.KV_DTYPES["q8_0"]; restored after the test
+    assert target.model.new_cache(4).c_type == draft.model.new_cache(4).c_type == 2
+    gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    ref = Engine(target).generate(PROMPTS[0], gen)
+    for method in ("draft", "lookup", "hybrid"):
+        done = Engine(target, draft if method != "lookup" else None, MethodConfig(method)).generate(PROMPTS[0], gen)
+        assert done.token_ids == ref.token_ids, method
+        assert done.stats.target_forwards < ref.stats.target_forwards, method
+
+
 @pytest.fixture(scope="module", params=[("gguf", "q4_0"), ("int8", "int8")], ids=["gguf", "int8"])
 def models(request, real_model_cache):
     # Exactness is relative to the target as it runs, in each fast weight format; the draft in its default
@@ -55,20 +73,3 @@ def test_seeded_sampling_repeats_on_real_models(models):
     gen = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(0.8, top_k=40, top_p=0.95, seed=3))
     a, b = e.generate(PROMPTS[2], gen), e.generate(PROMPTS[2], gen)
     assert a.token_ids == b.token_ids and a.text == b.text
-
-
-def test_every_method_matches_autoregressive_greedy_with_a_q8_0_cache(real_model_cache, monkeypatch):
-    """--kv-dtype q8_0 (target and draft: heads of 128 and 64 values, 4 and 2 blocks) on the real models: draft,
-    lookup and hybrid still emit ar's tokens."""
-    import torch
-
-    target, draft = real_model_cache(TARGET, "gguf"), real_model_cache(DRAFT, "q4_0")
-    for m in (target, draft):
-        monkeypatch.setattr(m.model, "kv_dtype", torch.int8)  # cache.KV_DTYPES["q8_0"]; restored after the test
-    assert target.model.new_cache(4).c_type == draft.model.new_cache(4).c_type == 2
-    gen = GenerationConfig(max_new_tokens=64, ignore_eos=True)
-    ref = Engine(target).generate(PROMPTS[0], gen)
-    for method in ("draft", "lookup", "hybrid"):
-        done = Engine(target, draft if method != "lookup" else None, MethodConfig(method)).generate(PROMPTS[0], gen)
-        assert done.token_ids == ref.token_ids, method
-        assert done.stats.target_forwards < ref.stats.target_forwards, method

@@ -56,6 +56,13 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def bf16_native(flags: set[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it oneDNN emulates bf16
+    matmuls, many times slower than float32 ones (an AVX2 Zen 3 core: about 12x on a training step's shapes)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags
+
+
 def cpu_ok() -> bool:
     return {"avx2", "fma", "f16c"} <= cpu_flags()
 

@@ -8,7 +8,8 @@ Recipe (one run, within `minutes`):
    EXTRACT_SHARE of the time budget, then training uses what was extracted;
 3. draft vocabulary: the `draft_vocab` most frequent tokens among the target's own choices and the
    text (FR-Spec / EAGLE-3), output rows started at the target's rows for them;
-4. AdamW on the head alone (the target stays frozen) in bf16 autocast, until the time or epoch
+4. AdamW on the head alone (the target stays frozen), in bf16 autocast where the CPU multiplies bf16 in
+   hardware (float32 elsewhere: emulated bf16 is many times slower), until the time or epoch
    budget ends; held-out acceptance measured every `eval_every` steps, the head of the best
    evaluation kept in the output folder (_Best); a resumable checkpoint (head + optimizer,
    safetensors) every CHECKPOINT_SECONDS.
@@ -29,6 +30,7 @@ from ..errors import SpeculantError
 from ..heads.config import HEAD_METHODS, default_config
 from ..heads.formats import save_head, save_stats
 from ..heads.modules import EagleHead, MedusaHeads, build_head, init_from_target
+from ..models.native import bf16_native
 from .answers import AnswerConfig, answer, answers_folder
 from .data import DataConfig, batches, sequences
 from .features import Features, extract
@@ -82,6 +84,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=tcfg.learning_rate, weight_decay=0.0, betas=(0.9, 0.95))
         self.step = 0
         self.epoch = 0
+        self.bf16 = bf16_native()
 
     def _loss(self, f: Features, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
         feats, ids, p = f.feats[idx], f.top_ids[idx], f.top_p[idx]
@@ -100,7 +103,7 @@ class Trainer:
         warm = min(1.0, (self.step + 1) / 20)  # linear warmup
         for g in self.opt.param_groups:
             g["lr"] = self.tcfg.learning_rate * warm
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             loss, _ = self._loss(f, idx)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

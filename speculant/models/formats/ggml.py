@@ -144,7 +144,7 @@ def prefill_routes() -> tuple[str, ...]:
     flags = native.cpu_flags()
     x86 = ggml_available() and native.gq_library().gq_isa() >= 1
     ok = {"fused": x86, "gemm": x86,
-          "bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags, "rows": True}
+          "bf16": native.bf16_native(flags), "rows": True}
     order = ["bf16", "fused", "gemm", "rows"] if "amx_bf16" in flags else ["fused", "gemm", "bf16", "rows"]
     want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
     if want and want not in ok:
