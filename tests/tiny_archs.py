@@ -10,7 +10,6 @@ prompts (40 tokens) are several windows long.
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 import tarfile
@@ -123,10 +122,3 @@ def to_gguf(folders: list[Path], script: Path) -> list[Path]:
     if todo:
         convert_all(todo, script)
     return outs
-    if not (folder / "tokenizer.model").is_file():
-        spm_tokenizer(folder)
-    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))  # the converter's own gguf package
-    r = subprocess.run([sys.executable, str(script), str(folder), "--outtype", "f32", "--outfile", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
