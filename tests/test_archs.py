@@ -112,13 +112,21 @@ def test_speculative_methods_are_greedy_identical_to_ar(folders, name, fmt):
         assert got == want, method
 
 
-@pytest.mark.parametrize("name", ("qwen3", "gemma3", "smollm3", "llama3.2"))
-def test_llama_cpp_gguf_conversion_loads_to_the_same_logits(folders, name, tmp_path_factory):
+CONVERTED = ("qwen3", "gemma3", "smollm3", "llama3.2")
+
+
+@pytest.fixture(scope="module")
+def ggufs(folders) -> dict[str, Path]:
+    """The F32 GGUFs llama.cpp's converter writes for CONVERTED's folders, in one converter process."""
     from speculant.hub import speculant_home
 
     script = converter(speculant_home() / "llama-cpp-python-sdist")
-    folder = folders(name)
-    gguf = to_gguf(folder, script)
+    return dict(zip(CONVERTED, to_gguf([folders(name) for name in CONVERTED], script)))
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_llama_cpp_gguf_conversion_loads_to_the_same_logits(folders, ggufs, name):
+    folder, gguf = folders(name), ggufs[name]
     src = GGUFSource(gguf)
     assert src.config.arch == {"qwen3": "qwen3", "gemma3": "gemma3", "smollm3": "smollm3", "llama3.2": "llama"}[name]
     ours_gguf = build_transformer(src, "float32", cache_dir=None, progress=False)

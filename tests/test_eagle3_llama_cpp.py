@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, speculative_rounds
+from gguf_tokenizer import gguf_tokenizer
+from llama_cpp_ref import convert_all, equal_rounds, greedy_tokens, llama_cpp_bin, speculative_rounds
 from safetensors.torch import load_file, save_file
 
 from speculant import Engine, GenerationConfig, MethodConfig, drafter_method, load_model
@@ -58,13 +59,13 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
     """The target (HF folder and F32 GGUF) and two drafters (HF folders and F32 GGUFs): `random`, in SpecForge's
     layout with Llama 3 rope scaling, and `repeat` (the module docstring's (c))."""
     import test_eagle3_published as pub
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from speculant.hub import resolve_model
 
     root = tmp_path_factory.mktemp("eagle3-gguf")
     real = resolve_model(REAL)
-    tok = AutoTokenizer.from_pretrained(str(real.parent), gguf_file=real.name)
+    tok = gguf_tokenizer(real)
     vocab = len(tok)
     cfg = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=pub.D, intermediate_size=pub.FF,
                                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -81,7 +82,8 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
     target = root / "target"
     model.save_pretrained(target)
     tok.save_pretrained(target)
-    out = {"target": target, "target.gguf": convert_hf_to_gguf(target, root / "target.gguf")}
+    out = {"target": target}
+    jobs = [(target, root / "target.gguf", ["--outtype", "f32"])]
     sd = {k: v.float() for k, v in model.state_dict().items()}
     for name in ("random", "repeat"):
         ids = [1, 3, LAYERS - 1]
@@ -98,7 +100,9 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
         # the converter reads the ids at the top level only (not under eagle_config)
         (folder / "config.json").write_text(json.dumps({**c, "eagle_aux_hidden_state_layer_ids": ids}))
         out[name] = folder
-        out[f"{name}.gguf"] = convert_hf_to_gguf(folder, root / f"{name}.gguf", extra_args=["--target-model-dir", target])
+        jobs.append((folder, root / f"{name}.gguf", ["--outtype", "f32", "--target-model-dir", target]))
+    for name, path in zip(("target", "random", "repeat"), convert_all(jobs)):  # one converter process
+        out[f"{name}.gguf"] = path
     return out
 
 

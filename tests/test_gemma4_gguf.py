@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
+from llama_cpp_ref import convert_all, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
 
 from conftest import tiny_tokenizer
 from speculant.decoding.engine import Engine, GenerationConfig
@@ -74,18 +74,18 @@ def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma4_gguf")
     out: dict[str, Path] = {}
     for name in ("ple", "keqv"):
-        folder = tame(save_gemma4(root / name, name, layer_types=GGUF_TYPES))
-        save_tokenizer(folder)
-        out[name] = folder
-        out[f"{name}.gguf"] = convert_hf_to_gguf(folder, root / f"{name}.gguf")
-        for kind in ("F16", "Q8_0"):
-            out[f"{name}-{kind.lower()}.gguf"] = quantize(bin_dir, out[f"{name}.gguf"], root / f"{name}-{kind}.gguf", kind)
+        out[name] = tame(save_gemma4(root / name, name, layer_types=GGUF_TYPES))
+        save_tokenizer(out[name])
     for name, make in (("random", lambda f: save_assistant(f, ordered=True)),
                        ("repeat", lambda f: save_repeat_assistant(f, out["ple"]))):
-        folder = make(root / name)
-        save_tokenizer(folder)
-        out[name] = folder
-        out[f"{name}.gguf"] = convert_hf_to_gguf(folder, root / f"{name}.gguf")
+        out[name] = make(root / name)
+        save_tokenizer(out[name])
+    names = ("ple", "keqv", "random", "repeat")
+    for name, path in zip(names, convert_all([(out[n], root / f"{n}.gguf", ["--outtype", "f32"]) for n in names])):
+        out[f"{name}.gguf"] = path
+    for name in ("ple", "keqv"):
+        for kind in ("F16", "Q8_0"):
+            out[f"{name}-{kind.lower()}.gguf"] = quantize(bin_dir, out[f"{name}.gguf"], root / f"{name}-{kind}.gguf", kind)
     return out
 
 

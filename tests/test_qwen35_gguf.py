@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_tokenizer import gguf_tokenizer
 from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
 from qwen35_tiny import save_qwen35
 
@@ -53,13 +54,12 @@ def bin_dir() -> Path:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, bin_dir) -> dict[str, Path]:
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
 
     from speculant.hub import resolve_model
 
     root = tmp_path_factory.mktemp("qwen35-gguf")
     real = resolve_model(REAL)
-    tok = AutoTokenizer.from_pretrained(str(real.parent), gguf_file=real.name)
+    tok = gguf_tokenizer(real)
     folder = save_qwen35(root / "hf", vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id)
     tok.save_pretrained(folder)  # replaces the word-level tokenizer

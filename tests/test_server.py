@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_util import MODEL, ROOT, Server
+from server_util import MODEL, Server
 
 pytestmark = pytest.mark.real
 KEY = "test-key"
@@ -36,11 +34,14 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def cli_generate(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "speculant.cli", "generate", "--model", MODEL, *SPEC, "--no-progress",
-                          "--threads", "1", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return out.stdout[:-1]  # generate ends its output with a newline
+def cli_generate(capsys, *args: str) -> str:
+    """`speculant generate` (its main(), in this process: a child would spend its time importing torch)."""
+    from speculant.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", "--model", MODEL, *SPEC, "--no-progress", "--threads", "1", *args]) == 0
+    out = capsys.readouterr()
+    return out.out[:-1]  # generate ends its output with a newline
 
 
 def test_models_and_health(server, client):
@@ -49,10 +50,10 @@ def test_models_and_health(server, client):
     assert health["status"] == "ok" and health["method"] == "hybrid"
 
 
-def test_chat_greedy_equals_cli_generate_and_streaming(client):
+def test_chat_greedy_equals_cli_generate_and_streaming(client, capsys):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
     text = r.choices[0].message.content
-    assert text == cli_generate("--chat", "-n", "40", CHAT[0]["content"])
+    assert text == cli_generate(capsys, "--chat", "-n", "40", CHAT[0]["content"])
     assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     ext = r.model_extra["speculant"]
     assert ext["method"] == "hybrid" and 0 < ext["acceptance_rate"] <= 1 and ext["mean_accepted_tokens"] > 1
@@ -74,10 +75,10 @@ def test_chat_greedy_equals_cli_generate_and_streaming(client):
         assert other.choices[0].message.content == text and other.model_extra["speculant"]["method"] == method
 
 
-def test_completion_greedy_equals_cli_generate(client):
+def test_completion_greedy_equals_cli_generate(client, capsys):
     prompt = "def fibonacci(n):\n"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0)
-    assert r.choices[0].text == cli_generate("-n", "48", prompt)
+    assert r.choices[0].text == cli_generate(capsys, "-n", "48", prompt)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True))
     assert streamed == r.choices[0].text

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf_tokenizer import gguf_tokenizer
 
 from speculant.errors import SpeculantError
 from speculant.text.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata
@@ -214,10 +215,10 @@ def _model_path(preset: str) -> Path:
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def pair(request: pytest.FixtureRequest) -> tuple[str, Tokenizer, Any]:
     """(preset, our tokenizer, transformers' tokenizer) for a real GGUF model."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     path = _model_path(request.param)
     ours = Tokenizer.from_gguf(read_gguf_metadata(path))
-    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ref = gguf_tokenizer(path)  # transformers' own conversion of the GGUF, cached (tests/gguf_tokenizer.py)
     return request.param, ours, ref
 
 

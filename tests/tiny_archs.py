@@ -10,7 +10,6 @@ prompts (40 tokens) are several windows long.
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 import tarfile
@@ -111,15 +110,15 @@ def spm_tokenizer(folder: Path) -> None:
     (folder / "tokenizer.model").write_bytes(buf.getvalue())
 
 
-def to_gguf(folder: Path, script: Path) -> Path:
-    """`folder` converted by llama.cpp's converter to an F32 GGUF beside it (once)."""
-    out = folder.with_suffix(".gguf")
-    if out.is_file():
-        return out
-    if not (folder / "tokenizer.model").is_file():
-        spm_tokenizer(folder)
-    env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py"))  # the converter's own gguf package
-    r = subprocess.run([sys.executable, str(script), str(folder), "--outtype", "f32", "--outfile", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+def to_gguf(folders: list[Path], script: Path) -> list[Path]:
+    """`folders` converted by llama.cpp's converter to F32 GGUFs beside them (once), in one converter process."""
+    from llama_cpp_ref import convert_all
+
+    outs = [folder.with_suffix(".gguf") for folder in folders]
+    todo = [(folder, out, ["--outtype", "f32"]) for folder, out in zip(folders, outs) if not out.is_file()]
+    for folder, _, _ in todo:
+        if not (folder / "tokenizer.model").is_file():
+            spm_tokenizer(folder)
+    if todo:
+        convert_all(todo, script)
+    return outs

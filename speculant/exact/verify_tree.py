@@ -34,6 +34,7 @@ final path are simply unused), then the path is followed from row 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,21 @@ def verify_tree_greedy(tree: DraftTree, logits: Tensor) -> TreeVerdict:
 
 def verify_tree_sampled(tree: DraftTree, p: Dist, generator: torch.Generator) -> TreeVerdict:
     """tree of N nodes (q: N rows or None = one-hot), p: 1 + N rows -> the verdict (module docstring)."""
+    dev = p.p.device
+    node, n, final = tree_acceptance(tree, p, lambda size: torch.rand(size, generator=generator, device=dev))
+    extra = draw(final, generator)  # [1]
+    anc = tree.ancestor_mask(dev)[1:, 1:]
+    return _verdict(tree, anc, node.clamp_min(0), n, extra)
+
+
+def tree_acceptance(tree: DraftTree, p: Dist, uniform: Callable[[int], Tensor]) -> tuple[Tensor, Tensor, Dist]:
+    """verify_tree_sampled's deterministic part, given its acceptance uniforms: (node, n, final).
+
+    uniform(P) gives P uniforms in [0, 1), one per row with children (in row order), for the rows' first
+    children, then again for their second children, and so on. node = the last accepted node (-1: none), n =
+    its depth, final = the one row the last token is drawn from, unnormalized. Separate so that tests can
+    choose the uniforms and read off the exact output distribution.
+    """
     N, dev = tree.size, p.p.device
     rows = [r for r in range(N + 1) if tree.children[r]]  # rows with children
     width = max((len(tree.children[r]) for r in rows), default=0)
@@ -95,7 +111,7 @@ def verify_tree_sampled(tree: DraftTree, p: Dist, generator: torch.Generator) ->
             dense.scatter_add_(1, tree.q.ids.index_select(0, c), tree.q.p.index_select(0, c))
             q_at = dense.gather(1, ids)
             q_x = dense.gather(1, x[:, None])[:, 0]
-        u = torch.rand(P, generator=generator, device=dev)
+        u = uniform(P)
         ok = valid & (u * q_x < p_x)  # u < p/q without dividing by a zero q
         choice = torch.where(ok, c, choice)
         rejected = (valid & ~ok)[:, None]
@@ -122,9 +138,7 @@ def verify_tree_sampled(tree: DraftTree, p: Dist, generator: torch.Generator) ->
         slot.index_copy_(0, rows_t, torch.arange(P, device=dev))
         s = slot.index_select(0, last)  # [1]
         final = Dist(final.ids, torch.where((s < P)[:, None], w.index_select(0, s.clamp_max(P - 1)), final.p), p.vocab)
-    extra = draw(final, generator)  # [1]
-    anc = tree.ancestor_mask(dev)[1:, 1:]
-    return _verdict(tree, anc, node.clamp_min(0), n, extra)
+    return node, n, final
 
 
 def _verdict(tree: DraftTree, anc: Tensor, deepest: Tensor, n: Tensor, extra: Tensor) -> TreeVerdict:
