@@ -46,6 +46,21 @@ def exact_marginals(target, prompt: list[int], sampling: SamplingConfig, n_token
     return torch.stack([sum(w * p for _, w, p in level) for level in levels])
 
 
+def exact_memo() -> Callable[..., torch.Tensor]:
+    """`exact_marginals` computed once per (target key, prompt, sampler, tokens), for a module-scoped fixture:
+    cases that share a target and a sampler enumerate it once. The key names the target's build (the caller's
+    tiny_model arguments): `get(key, target, prompt, sampling, n_tokens)`."""
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def get(key, target, prompt: list[int], sampling: SamplingConfig, n_tokens: int) -> torch.Tensor:
+        k = (key, tuple(prompt), sampling, n_tokens)
+        if k not in memo:
+            memo[k] = exact_marginals(target, prompt, sampling, n_tokens)
+        return memo[k]
+
+    return get
+
+
 def exact_joint(levels: list[list[tuple]], n: int) -> torch.Tensor:
     """P(x_1..x_n) flattened [V**n] (x_1 most significant) from `exact_paths`' levels."""
     V = levels[0][0][2].shape[0]

@@ -1,6 +1,5 @@
-"""The decoding loop on tiny random models: every method is exact, stops land right, seeds repeat."""
-
-from collections import Counter
+"""The decoding loop on tiny random models: every method is exact, stops land right, seeds repeat (sampled
+output's distribution: test_engine_dist*.py)."""
 
 import pytest
 import torch
@@ -9,15 +8,13 @@ from conftest import tiny_model
 from speculant.decoding.engine import Chunk, Done, Engine, GenerationConfig
 from speculant.methods.config import MethodConfig, parse_method
 from speculant.errors import SpeculantError
-from speculant.methods.governor import GovernorConfig
-from speculant.methods.base import DraftLength, DraftLengthConfig
+from speculant.methods.base import DraftLengthConfig
 from speculant.models.cache import kv_dtype as kv_dtype_of
-from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head, window_start
+from speculant.methods.draft_model import DraftModelConfig, DraftModelDrafter, reduced_head
 from speculant.methods.hybrid import HybridConfig, HybridDrafter
 from speculant.methods.lookup import LookupConfig, LookupDrafter
 from speculant.exact.sampler import Sampler, SamplingConfig
-from sampled import biased_acceptance, exact_marginals, sample_runs
-from test_sampling import INF, reference_adjust, reference_probs
+from test_sampling import INF, reference_adjust
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1, 5]
 
@@ -173,109 +170,9 @@ def test_seeded_sampling_repeats_exactly(pair, method):
     assert any(o != a.token_ids for o in others)  # the tiny model is sharp: two seeds can agree
 
 
-# Penalties over a 3-token window: the counts change inside every drafted run (k=3), and tokens
-# leave the window as drafts enter it. Logit bias and min-p in a second set.
+# Penalties over a 3-token window: the counts change inside every drafted run (k=3), and tokens leave the
+# window as drafts enter it (the tree and head methods' distribution tests sample with it too).
 PENALTIES = SamplingConfig(1.0, repeat_penalty=1.5, repeat_last_n=3, presence_penalty=1.0, frequency_penalty=0.8)
-MIN_P_BIAS = SamplingConfig(0.8, min_p=0.25, logit_bias={2: 0.6, 0: -0.4})
-METHODS_SAMPLED = ("draft", "lookup", "hybrid", "hybrid-always", "hybrid-never")
-
-
-@pytest.mark.parametrize("method, sampling", [
-    ("draft", SamplingConfig(0.7, top_k=3, top_p=0.9)),
-    ("draft-conf", SamplingConfig(1.0)),
-    ("draft-heuristic", SamplingConfig(1.0, top_p=0.9)),  # the draft length changes from round to round
-    ("draft-vocab", SamplingConfig(0.9)),  # the draft proposes among the first 3 of 4 ids only
-    ("lookup", SamplingConfig(1.3)),
-    ("hybrid", SamplingConfig(1.0, top_p=0.8)),
-    ("hybrid-never", SamplingConfig(0.8, top_k=3)),  # unchecked guesses, then the model's own drafts
-    ("hybrid-always", SamplingConfig(0.9, top_p=0.95)),  # every guess checked by the draft model
-    ("hybrid-f16", SamplingConfig(1.0, top_p=0.9)),  # float16 KV caches (--kv-dtype f16), target and draft
-    ("hybrid-q8", SamplingConfig(1.0, top_p=0.9)),  # q8_0 KV caches, target and draft (heads of 32 values)
-    # the draft reads only its window of the prompt (the last 6 of 70 tokens): q is still what it proposes from
-    ("draft-window", SamplingConfig(0.9, top_p=0.95)),
-    ("hybrid-window", SamplingConfig(1.0)),
-    # the governor turns rounds plain and back (2 rounds each way, then up to 4 by measured speed)
-    ("draft-governed", SamplingConfig(1.0, top_p=0.9)),
-    # the auto draft length: governed (so timed), the k of every round after the first chosen from measurements
-    ("draft-auto", SamplingConfig(0.9, top_p=0.95)),
-    ("hybrid-auto", SamplingConfig(1.0)),
-    ("lookup-auto", SamplingConfig(0.8)),
-    ("lookup-governed", SamplingConfig(0.8)),
-    ("hybrid-governed", PENALTIES),
-    *((m, PENALTIES) for m in METHODS_SAMPLED),
-    *((m, MIN_P_BIAS) for m in METHODS_SAMPLED),
-])
-def test_every_generated_position_has_the_targets_distribution(method, sampling, monkeypatch):
-    """Speculative sampling through the whole engine reproduces target-only sampling (chi-square against
-    the exact marginals, enumerated with the full-sort reference sampler and reference penalties).
-
-    Four tokens (six for the heuristic schedule): the first from the prefill, then a round drafting up to three, then whatever is left,
-    so accepted, resampled and bonus tokens all appear at the checked positions. The tiny draft's top
-    probability is about 0.3: a confidence stop of 0 always drafts (2.4 tokens a run), 0.35 ("conf")
-    stops many drafts early (1.4 a run).
-    """
-    name, _, variant = method.partition("-")
-    # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
-    V, n_tok, runs = 4, 6 if variant in ("heuristic", "governed", "auto") else 4, 3000
-    kv = {"f16": "f16", "q8": "q8_0"}.get(variant, "f32")
-    heads = dict(heads=1, kv_heads=1) if kv == "q8_0" else {}  # q8_0 blocks of 32 values: heads of 32
-    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv, **heads)
-    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=32 if heads else 16, layers=1, kv_dtype=kv, **heads)
-    prompt = [0, 1, 2, 3] * (17 if variant == "window" else 2) + [0, 1]  # repeats, so lookup drafts every round
-    window = 4 if variant == "window" else None  # DraftModelConfig.context
-    assert variant != "window" or window_start(len(prompt), window) == 64  # the draft skips the first 64
-    exp = exact_marginals(target, prompt, sampling, n_tok)
-    # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
-    # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
-    confidence = 0.35 if variant == "conf" else 0.0
-    lookup = LookupConfig(3, min_ngram=3 if name == "hybrid" else 1)
-    length = DraftLengthConfig(k=1, schedule=variant, max_k=3, warmup=1) if variant in ("heuristic", "auto") else \
-        DraftLengthConfig(k=3, schedule="fixed")
-    dm = DraftModelConfig(min_confidence=confidence, vocab=3 if variant == "vocab" else 0, context=window)
-    check = variant if variant in ("always", "never") else "auto"
-    governed = variant in ("governed", "auto")
-    governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()
-    e = Engine(target, draft if name in ("draft", "hybrid") else None,
-               MethodConfig(name, length, lookup, dm, HybridConfig(check), governor=governor))
-    chosen = Counter()  # the auto schedule's measured choices of k (a spy: the real method runs)
-    best = DraftLength.best
-
-    def spy(self):
-        k = best(self)
-        chosen[k] += 1
-        return k
-
-    monkeypatch.setattr(DraftLength, "best", spy)
-    r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, runs)
-    assert r.drafted >= (runs if confidence == 0 else runs // 4)
-    r.check_rounds(governed=governed)  # seeded: the default governor (auto) does not govern
-    if variant == "auto":
-        assert len(chosen) > 1, chosen  # the measured choice varied k
-    else:
-        assert not chosen  # untimed or other schedules never measure
-    if confidence:
-        assert r.drafted < 2 * runs  # the stop cut drafts short
-    if variant == "heuristic":
-        assert r.grew  # from k=1, only the schedule drafts more
-    if variant == "vocab":
-        assert r.counts[1:, 3].sum() > 0  # the target still emits the id the draft cannot propose
-    assert min(r.pvalues(exp)) > 1e-4, r.pvalues(exp)
-
-
-def test_the_position_check_rejects_a_biased_acceptance(monkeypatch):
-    """The negative control of the test above, in its setup (the plain `draft` case, fewer runs): rounds that
-    verify against a biased p (tests/sampled.py) must be rejected."""
-    biased_acceptance(monkeypatch)
-    V, n_tok, runs, sampling = 4, 4, 600, SamplingConfig(1.0)
-    target = tiny_model(V, seed=5, logit_scale=0.2)
-    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)
-    prompt = [0, 1, 2, 3] * 2 + [0, 1]
-    exp = exact_marginals(target, prompt, sampling, n_tok)
-    e = Engine(target, draft, MethodConfig("draft", DraftLengthConfig(k=3, schedule="fixed"),
-                                           draft_model=DraftModelConfig(min_confidence=0.0)))
-    r = sample_runs(lambda i: e, prompt, sampling, n_tok, V, runs)
-    assert r.accepted > 0
-    assert min(r.pvalues(exp)) < 1e-6, r.pvalues(exp)
 
 
 def test_bad_inputs_are_clear_errors(pair):

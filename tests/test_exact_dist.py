@@ -73,19 +73,22 @@ def heads(t, folder, method: str, **cfg) -> Engine:
     return Engine(t, method=MethodConfig(method, heads=HeadsConfig(name=name, fmt="q8_0", **cfg)))
 
 
-_EXACT: dict = {}
+@pytest.fixture(scope="module")
+def exact():
+    """The enumerated target-only distribution (marginals, joint), once per (target, sampler) in this module."""
+    memo: dict = {}
+
+    def get(fmt: str, sampling: SamplingConfig):
+        key = (fmt, sampling)
+        if key not in memo:
+            levels = exact_paths(target(fmt), PROMPT, sampling, CHECKED)
+            memo[key] = (torch.stack([sum(w * p for _, w, p in level) for level in levels]), exact_joint(levels, JOINT))
+        return memo[key]
+
+    return get
 
 
-def exact(fmt: str, sampling: SamplingConfig):
-    """The enumerated target-only distribution, once per (target, sampler)."""
-    key = (fmt, sampling)
-    if key not in _EXACT:
-        levels = exact_paths(target(fmt), PROMPT, sampling, CHECKED)
-        _EXACT[key] = (torch.stack([sum(w * p for _, w, p in level) for level in levels]), exact_joint(levels, JOINT))
-    return _EXACT[key]
-
-
-def run(case: str, tmp_path, runs: int, control: bool):
+def run(case: str, tmp_path, runs: int, control: bool, exact):
     fmt, build, sampling = CASES[case]
     t = target(fmt)
     e = build(t, tmp_path)
@@ -95,15 +98,15 @@ def run(case: str, tmp_path, runs: int, control: bool):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_marginals_and_joint_are_the_targets(case, tmp_path):
-    r, marginal, joint = run(case, tmp_path, RUNS, control=False)
+def test_marginals_and_joint_are_the_targets(case, tmp_path, exact):
+    r, marginal, joint = run(case, tmp_path, RUNS, control=False, exact=exact)
     assert 0 < r.accepted < r.drafted, (r.accepted, r.drafted)
     assert r.longest >= 2, r.longest  # rounds kept paths two or more drafts deep (cache.keep, penalties at depth)
     assert min(marginal) > 1e-4 and joint > 1e-4, (marginal, joint)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_check_rejects_a_biased_acceptance(case, tmp_path, monkeypatch):
+def test_the_check_rejects_a_biased_acceptance(case, tmp_path, monkeypatch, exact):
     biased_acceptance(monkeypatch)
-    _, marginal, _ = run(case, tmp_path, CONTROL_RUNS, control=True)
+    _, marginal, _ = run(case, tmp_path, CONTROL_RUNS, control=True, exact=exact)
     assert min(marginal) < 1e-6, marginal

@@ -17,7 +17,7 @@ from speculant.methods.lookup import LookupConfig
 from speculant.methods.lookup_tree import LookupTreeConfig
 from speculant.exact.sampler import SamplingConfig
 from speculant.exact.tree import DraftTree
-from sampled import exact_marginals, sample_runs
+from sampled import exact_memo, sample_runs
 from test_engine import PENALTIES, PROMPT
 
 
@@ -172,24 +172,30 @@ class WrongQ(RandomTree):
                                                          self.r.expand(n, -1).clone(), self.vocab))
 
 
-def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
-    """Chi-square of every position against the exact target-only marginals; the smallest p-value."""
+@pytest.fixture(scope="module")
+def exact():
+    return exact_memo()
+
+
+def min_pvalue(drafter: str, sampling: SamplingConfig, exact) -> float:
+    """Chi-square of every position against the exact target-only marginals (`exact`: a `sampled.exact_memo()`);
+    the smallest p-value."""
     target = tiny_model(V, seed=5, logit_scale=0.2)
     prompt = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     drafter, _, governed = drafter.partition("-")  # "-governed": plain rounds between tree rounds
     governor = GovernorConfig("on", probe=2, hold=2, max_hold=4) if governed else GovernorConfig()
     n_tok = 5 if governed else 4
-    exp = exact_marginals(target, prompt, sampling, n_tok)
+    exp = exact("f32", target, prompt, sampling, n_tok)
+    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1)  # every run's engine: models keep no run's state
 
     def engine_for(i: int) -> Engine:
         if drafter == "lookup_tree":
             return Engine(target, method=MethodConfig("lookup_tree", lookup=LookupConfig(2, 1),
                                                       lookup_tree=LookupTreeConfig(3, 6, 3), governor=governor))
         if drafter == "draft_tree":  # sampled chain tokens with their q, runner-up siblings one-hot
-            return Engine(target, tiny_model(V, seed=6, logit_scale=0.2, dim=16, layers=1),
-                          MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
-                                       draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2),
-                                       governor=governor))
+            return Engine(target, draft, MethodConfig("draft_tree", DraftLengthConfig(k=2, schedule="fixed", max_k=2),
+                                                      draft_model=DraftModelConfig(0.0), draft_tree=DraftTreeConfig(2),
+                                                      governor=governor))
         kind = WrongQ if drafter == "wrong" else RandomTree
         return with_drafter(Engine(target, method=MethodConfig("lookup")),
                             kind(V, [3, 2], "without" if drafter == "wrong" else drafter, seed=i))
@@ -212,12 +218,12 @@ def min_pvalue(drafter: str, sampling: SamplingConfig) -> float:
     ("without", PENALTIES),
     ("iid", PENALTIES),
 ])
-def test_every_position_has_the_targets_distribution(drafter, sampling):
-    assert min_pvalue(drafter, sampling) > 1e-4
+def test_every_position_has_the_targets_distribution(drafter, sampling, exact):
+    assert min_pvalue(drafter, sampling, exact) > 1e-4
 
 
-def test_the_distribution_check_catches_a_wrong_q():
-    assert min_pvalue("wrong", SamplingConfig(1.0)) < 1e-6
+def test_the_distribution_check_catches_a_wrong_q(exact):
+    assert min_pvalue("wrong", SamplingConfig(1.0), exact) < 1e-6
 
 
 @pytest.mark.real

@@ -71,7 +71,8 @@ class FloatLinear(QLinear):
             # On the CPU MKL rounds a pass of M > 1 rows differently from M = 1, so a short pass goes row by
             # row through the M = 1 call a decode step makes: bit-identical to it. It reads the weights once a
             # row, at about the cost of MKL's own small-M GEMM (docs/measurements.md "float32 passes").
-            return torch.cat([F.linear(x[i : i + 1], self.weight, self.bias) for i in range(M)])
+            w, b = self.weight, self.bias  # looked up once, not twice a row (nn.Module attribute lookups are slow)
+            return torch.cat([F.linear(x[i : i + 1], w, b) for i in range(M)])
         return F.linear(x, self.weight, self.bias)
 
     def weight_bytes(self) -> int:
