@@ -1,7 +1,6 @@
 """The command line as a user meets it: one clear line and exit code 2 for every kind of bad input."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest

@@ -22,7 +22,6 @@ from speculant.methods.config import MethodConfig, parse_method
 from speculant.errors import SpeculantError
 from speculant.methods.base import MAX_DRAFT_TOKENS, DraftLengthConfig
 from speculant.methods.draft_model import DraftModelConfig
-from speculant.models import native
 from speculant.models.transformer import ROW_WISE_MAX
 from speculant.exact.sampler import SamplingConfig
 

@@ -1,7 +1,7 @@
 """The sampler: the candidate pipeline equals the full-sort definition, penalties, draws, validation.
 
 `reference_probs` is the full-sort implementation the fast path replaced (one sort of the whole
-vocabulary per row), kept here as the definition; test_engine.py builds its exact marginals with it.
+vocabulary per row), kept here as the definition; tests/sampled.py builds the engine tests' exact marginals with it.
 """
 
 import itertools

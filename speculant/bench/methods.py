@@ -35,7 +35,7 @@ class MethodsConfig:
     warmup_tokens: int = 8
     # Greedy by default. Sampled runs generate every prompt once per seed (seed, seed + 1, ...); their
     # tokens differ from the reference's by design, so they are not compared (exactness under sampling
-    # is a distribution property: tests/test_engine.py).
+    # is a distribution property: tests/test_engine_dist*.py).
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seeds: int = 1
     # Memory bandwidth (torch.sum over this many GiB) measured before each prompt, 0 = not measured. On a
