@@ -3,7 +3,8 @@
 # Every test process runs one torch thread (tests/conftest.py; $SPECULANT_THREADS overrides it): the tiny
 # models' passes are too small to split, and a second thread made the distribution tests several times slower.
 # Two pytest-xdist workers (one thread each), each test file whole in one of them: one process keeps a single
-# core busy. `bash scripts/test.sh -n 0` runs it in one process.
+# core busy. Files go out in collection order, the ones marked heavy first (tests/conftest.py), so that neither
+# worker is left alone with a long file at the end. `bash scripts/test.sh -n 0` runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,4 +12,4 @@ bash scripts/setup.sh
 # it is never a runtime dependency, so it comes without its dependencies.
 .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
 .venv/bin/speculant pull
-exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder "$@"

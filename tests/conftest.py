@@ -30,6 +30,13 @@ os.environ.setdefault("SPECULANT_THREADS", "1")
 torch.set_num_threads(int(os.environ["SPECULANT_THREADS"]))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files marked `heavy` first, each file's tests kept together and in order. scripts/test.sh runs the
+    files on two pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder): a file of minutes
+    handed out last would leave one worker running it alone while the other sits idle."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: files stay together
+
+
 @pytest.fixture(autouse=True)
 def _real_models_use_every_core(request, monkeypatch):
     """Tests of the real default models (a 1.5B's passes split well) run on the engine's default threads, unless

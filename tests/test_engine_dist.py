@@ -12,6 +12,8 @@ from speculant.exact.sampler import SamplingConfig
 from chain_dist import check_chain_method
 from sampled import biased_acceptance, exact_marginals, exact_memo, sample_runs
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def exact():

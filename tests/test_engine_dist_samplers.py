@@ -11,6 +11,8 @@ from chain_dist import V, check_chain_method
 from sampled import exact_memo
 from test_engine import PENALTIES
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 # Penalties over a 3-token window (the counts change inside every drafted run, k=3, and tokens leave the window
 # as drafts enter it), logit bias and min-p, in one sampler: bias and penalties adjust every row's logits by its
 # own drafted prefix, then min-p cuts each row's candidates. Each part moves the checked marginals by more than the

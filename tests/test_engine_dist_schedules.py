@@ -9,6 +9,8 @@ from chain_dist import check_chain_method
 from sampled import exact_memo
 from test_engine import PENALTIES
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def exact():

@@ -22,6 +22,8 @@ from speculant.exact.sampler import SamplingConfig
 from sampled import biased_acceptance, exact_joint, exact_paths, sample_runs
 from test_heads import random_head
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 V = 4
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]  # repeats: lookup drafts every round
 CHECKED, JOINT, GENERATED = 4, 2, 8  # positions checked, of them in the joint, tokens generated per run

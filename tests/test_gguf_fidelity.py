@@ -25,6 +25,8 @@ from speculant.bench.speed import compare_logits, fidelity_logits, fidelity_text
 from speculant.models import load_model
 from speculant.models.formats.ggml import prefill_routes
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 LLAMA_CPP_MEAN_KL = 0.00140
 LLAMA_CPP_TOP1 = 0.987
 

@@ -20,6 +20,8 @@ from speculant.exact.sampler import SamplingConfig
 from sampled import biased_acceptance, exact_marginals, sample_runs
 from test_engine import PENALTIES, PROMPT
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 METHODS = ("medusa", "eagle2", "eagle3")
 
 

@@ -24,7 +24,7 @@ from speculant.methods.config import MethodConfig
 from speculant.hub import resolve_model
 from speculant.models import load_model
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.heavy]
 
 CHAT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
 PROMPTS = [

@@ -10,7 +10,7 @@ from parity import hf_gguf_loading, logit_gap, reference_greedy
 from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.hub import resolve_model
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.heavy]
 
 PROMPTS = [
     "The capital of France is",

@@ -7,7 +7,7 @@ from speculant.methods.config import MethodConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.exact.sampler import SamplingConfig
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.heavy]
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPTS = [

@@ -20,6 +20,8 @@ from speculant.exact.tree import DraftTree
 from sampled import exact_memo, sample_runs
 from test_engine import PENALTIES, PROMPT
 
+pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
 
 class RandomTree(Drafter):
     """Siblings drawn from a fixed distribution r over the vocabulary, `widths[d]` under every node of
