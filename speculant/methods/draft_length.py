@@ -68,10 +68,10 @@ class DraftLengthConfig:
     def __post_init__(self) -> None:
         if self.k < 1 or (self.max_k is not None and self.max_k < self.k):
             raise SpeculantError(f"draft tokens must satisfy 1 <= k ({self.k}) <= max ({self.max_k})")
-        if max(self.k, self.max_k or 0) > MAX_DRAFT_TOKENS:
+        if (most := max(self.k, self.max_k or 0)) > MAX_DRAFT_TOKENS:
             raise SpeculantError(
                 f"at most {MAX_DRAFT_TOKENS} draft tokens per round are supported (--max-draft-tokens/--draft-tokens, "
-                f"got {max(self.k, self.max_k or 0)}): the target checks 1 + k tokens in one pass, and only passes of up to "
+                f"got {most}): the target checks 1 + k tokens in one pass, and only passes of up to "
                 f"{ROW_WISE_MAX} tokens give bit-for-bit the results of decoding one token at a time, which "
                 "keeps greedy output identical to --method ar")
         if self.schedule not in SCHEDULES:
@@ -94,7 +94,7 @@ class DraftLength:
     def __init__(self, cfg: DraftLengthConfig, timed: bool = False, block: int = 0) -> None:
         self.cfg = cfg
         self.max_k = cfg.limit(block)
-        self.block = block > 0  # drafting costs one pass per round, whatever k (Drafter.block)
+        self.per_round = block > 0  # drafting costs one pass per round, whatever k (Drafter.block)
         self.k = cfg.k
         self.measured = timed and cfg.schedule == "auto"
         # [j] for draft position j = 1..max_k: rounds that reached it (every draft before it accepted), and
@@ -121,7 +121,7 @@ class DraftLength:
         s, n = self.verify.get(n_drafted + 1, (0.0, 0))
         self.verify[n_drafted + 1] = (s + verify_seconds, n + 1)
         self.draft_seconds += draft_seconds
-        self.drafted += 1 if self.block else n_drafted
+        self.drafted += 1 if self.per_round else n_drafted
         if self.rounds >= self.cfg.warmup:
             self.k = self.best()
 
@@ -157,7 +157,7 @@ class DraftLength:
             t = _estimate(mean, k + 1)
             if t is None:
                 continue
-            t += t_draft if self.block else k * t_draft
+            t += t_draft if self.per_round else k * t_draft
             if t > 0 and tokens / t > best_rate:
                 best, best_rate = k, tokens / t
         return best
