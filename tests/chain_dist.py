@@ -6,8 +6,12 @@ reference penalties, tests/sampled.py) by chi-square.
 
 Four tokens a run (six for the heuristic, governed and auto schedules): the first from the prefill, then a
 round drafting up to three, then whatever is left, so accepted, resampled and bonus tokens all appear at
-the checked positions. The tiny draft's top probability is about 0.3: a confidence stop of 0 always drafts
-(2.4 tokens a run), 0.35 ("conf") stops many drafts early (1.4 a run).
+the checked positions. The tiny draft's top probability is 0.3-0.45: a confidence stop of 0 always drafts
+(2.7 tokens a run), 0.35 ("conf") stops many drafts early (1.9 a run; Q8_0 models).
+
+The models are Q8_0 (`FMT`) unless a case asks for float32: a block format's pass is one C call over the blocks
+(the fused route, as real GGUF models decode), a float32 one goes layer by layer through torch (the row-wise
+route); the verification under test is the same on both, and a few cases keep each route.
 """
 
 from collections import Counter
@@ -23,22 +27,27 @@ from speculant.methods.lookup import LookupConfig
 from speculant.exact.sampler import SamplingConfig
 from sampled import sample_runs
 
-V, RUNS = 4, 3000
+V, RUNS, FMT = 4, 3000, "q8_0"
 
 
-def check_chain_method(method: str, sampling: SamplingConfig, monkeypatch, exact) -> None:
-    """`method` is a method name and a variant ("draft-conf", "hybrid-q8"); `exact` a `sampled.exact_memo()`."""
+def check_chain_method(method: str, sampling: SamplingConfig, monkeypatch, exact, fmt: str = FMT) -> None:
+    """`method` is a method name and a variant ("draft-conf", "hybrid-q8"); `exact` a `sampled.exact_memo()`;
+    `fmt` the weight format of target and draft."""
     name, _, variant = method.partition("-")
     # heuristic: 6 tokens, so that a round after a fully accepted one has room to draft more than k=1
     n_tok = 6 if variant in ("heuristic", "governed", "auto") else 4
     kv = {"f16": "f16", "q8": "q8_0"}.get(variant, "f32")
     heads = dict(heads=1, kv_heads=1) if kv == "q8_0" else {}  # q8_0 blocks of 32 values: heads of 32
-    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv, **heads)
-    draft = tiny_model(V, seed=6, logit_scale=0.2, dim=32 if heads else 16, layers=1, kv_dtype=kv, **heads)
+    target = tiny_model(V, seed=5, logit_scale=0.2, kv_dtype=kv, fmt=fmt, **heads)
+    # a block format's rows are blocks of 32 values; at twice the width, a smaller scale keeps the draft's top
+    # probabilities about where the confidence stop below needs them (0.31-0.46)
+    wide = bool(heads) or fmt != "float32"
+    draft = tiny_model(V, seed=6, logit_scale=0.12 if wide else 0.2, dim=32 if wide else 16, layers=1, kv_dtype=kv,
+                       fmt=fmt, **heads)
     prompt = [0, 1, 2, 3] * (17 if variant == "window" else 2) + [0, 1]  # repeats, so lookup drafts every round
     window = 4 if variant == "window" else None  # DraftModelConfig.context
     assert variant != "window" or window_start(len(prompt), window) == 64  # the draft skips the first 64
-    exp = exact(kv, target, prompt, sampling, n_tok)
+    exp = exact((fmt, kv), target, prompt, sampling, n_tok)
     # hybrid: only 3-gram matches give the draft model a lookup guess to check (one-hot proposals where
     # it agrees), other rounds are the model's alone; plain lookup takes any match so it drafts every round
     confidence = 0.35 if variant == "conf" else 0.0

@@ -67,3 +67,14 @@ def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
             tokens.append(int(out.logits[0, -1].argmax()))
             x = torch.tensor([[tokens[-1]]])
     return tokens
+
+
+def greedy_mismatch(ref, ids: list[int], tokens: list[int]) -> int | None:
+    """Where `tokens` (our greedy continuation of `ids`) first differs from the reference's greedy choice given
+    the same prefix, or None if every token is the reference's argmax. One pass over ids + tokens scores all of
+    them: the reference decoding greedily would emit exactly `tokens` iff each is its argmax after the ones
+    before, so this checks what `reference_greedy` does at a fraction of its incremental steps' cost."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1 :].float()
+    bad = (logits.argmax(-1) != torch.tensor(tokens)).nonzero()
+    return int(bad[0]) if len(bad) else None

@@ -21,7 +21,7 @@ import torch
 
 from conftest import tiny_tokenizer
 from llama_cpp_ref import greedy_tokens, llama_cpp_bin
-from parity import reference_greedy
+from parity import greedy_mismatch, reference_greedy
 from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.methods.config import MethodConfig
 from speculant.methods.base import DraftLengthConfig
@@ -67,10 +67,15 @@ def test_logits_match_transformers(folders, name):
 def test_greedy_matches_transformers(folders, name):
     folder = folders(name)
     ids = prompt(20, seed=2)
-    want = reference_greedy(reference(folder), ids, 24)
+    ref = reference(folder)
+    want = reference_greedy(ref, ids, 24)
     lm = LoadedModel(name, folder, load(folder), tiny_tokenizer(VOCAB), "float32")
     got = Engine(lm).generate(ids, GenerationConfig(max_new_tokens=24)).token_ids
     assert got == want
+    # the one-pass check the real models' parity tests use agrees with the incremental reference, and finds
+    # a token that is not the reference's choice
+    assert greedy_mismatch(ref, ids, want) is None
+    assert greedy_mismatch(ref, ids, want[:7] + [(want[7] + 1) % VOCAB] + want[8:]) == 7
 
 
 @pytest.mark.parametrize("fmt", ("q8_0", "q4_0"))  # the block formats' kernels are batch-invariant; torch's float32 GEMM is not

@@ -9,10 +9,13 @@ from speculant.methods.base import DraftLengthConfig
 from speculant.methods.config import MethodConfig
 from speculant.methods.draft_model import DraftModelConfig
 from speculant.exact.sampler import SamplingConfig
-from chain_dist import check_chain_method
+from chain_dist import FMT, check_chain_method
 from sampled import biased_acceptance, exact_marginals, exact_memo, sample_runs
 
 pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
+
+
+FLOAT32 = {"draft"}  # this case runs float32 models (torch's row-wise route), the others Q8_0 (chain_dist.py)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def exact():
     ("hybrid-window", SamplingConfig(1.0)),
 ])
 def test_every_generated_position_has_the_targets_distribution(method, sampling, monkeypatch, exact):
-    check_chain_method(method, sampling, monkeypatch, exact)
+    check_chain_method(method, sampling, monkeypatch, exact, "float32" if method in FLOAT32 else FMT)
 
 
 def test_the_position_check_rejects_a_biased_acceptance(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_model
 from speculant.exact.sampler import SamplingConfig
-from chain_dist import V, check_chain_method
+from chain_dist import FMT, V, check_chain_method
 from sampled import exact_memo
 from test_engine import PENALTIES
 
@@ -39,10 +39,10 @@ def test_each_part_of_the_sampler_moves_the_marginals(exact):
     """With min-p, the penalties or the bias changed or left out, the exact marginals of the cases above move by more
     than 0.03 of a position's mass somewhere (about 3.5 standard errors of 3000 runs): each part is checked, not
     only present."""
-    target = tiny_model(V, seed=5, logit_scale=0.2)
-    got = exact("f32", target, PROMPT, SAMPLERS, 4)
+    target = tiny_model(V, seed=5, logit_scale=0.2, fmt=FMT)  # the cases' target
+    got = exact((FMT, "f32"), target, PROMPT, SAMPLERS, 4)
     for other in (replace(SAMPLERS, min_p=0.0), replace(SAMPLERS, min_p=0.2),
                   replace(SAMPLERS, repeat_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
                   replace(SAMPLERS, frequency_penalty=0.6), replace(SAMPLERS, repeat_penalty=1.2),
                   replace(SAMPLERS, repeat_last_n=4), replace(SAMPLERS, logit_bias={2: 0.5, 0: -0.4})):
-        assert float((exact("f32", target, PROMPT, other, 4) - got).abs().max()) > 0.03, other
+        assert float((exact((FMT, "f32"), target, PROMPT, other, 4) - got).abs().max()) > 0.03, other

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import hf_gguf_loading, logit_gap, no_weight_init, reference_greedy
+from parity import greedy_mismatch, hf_gguf_loading, logit_gap, no_weight_init
 
 from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.methods.config import MethodConfig
@@ -166,7 +166,7 @@ def test_greedy_continuation_matches_transformers(pair):
     for prompt in PROMPTS:
         ids = _ids(ours, tok, prompt)
         done = engine.generate(ids, GenerationConfig(max_new_tokens=32, ignore_eos=True))
-        assert done.token_ids == reference_greedy(ref, ids, 32), (name, prompt)
+        assert len(done.token_ids) == 32 and greedy_mismatch(ref, ids, done.token_ids) is None, (name, prompt)
         print(f"\n{name} {str(prompt)[:30]!r}: {ours.tokenizer.decode(done.token_ids)!r}")
 
 

@@ -106,57 +106,62 @@ def truncated(logits: Tensor, temperature: float, top_k: int = 0, top_p: float =
     e = (x - top).exp()  # [R, V]: unnormalized probabilities
     # top-p without top-k weighs the candidates against the whole vocabulary
     total = e.sum(-1, keepdim=True, dtype=torch.float64) if top_p < 1.0 and not top_k else None  # [R, 1]
-    n_full = V // BLOCK
-    bmax = x[:, : n_full * BLOCK].view(R, n_full, BLOCK).amax(-1)  # [R, nb]
-    if V % BLOCK:
-        bmax = torch.cat([bmax, x[:, n_full * BLOCK :].amax(-1, keepdim=True)], 1)
-    nb = bmax.shape[1]
+    n_full, nb = V // BLOCK, -(-V // BLOCK)
     j = min(nb, max(FIRST_BLOCKS, top_k + 1))  # top-k needs k certain tokens; each block gives at least one
+    bmax = None  # [R, nb]: the blocks' maxima, where the first pool is not the whole vocabulary
+    if j < nb:
+        bmax = x[:, : n_full * BLOCK].view(R, n_full, BLOCK).amax(-1)
+        if V % BLOCK:
+            bmax = torch.cat([bmax, x[:, n_full * BLOCK :].amax(-1, keepdim=True)], 1)
     while True:
-        out = _cut(x, e, top, total, bmax, j, top_k, top_p, min_p)
+        out = _cut(x, e, top, total, bmax, nb, j, top_k, top_p, min_p)
         if out is not None:
             return out
         j = min(nb, 8 * j)
 
 
-def _cut(x: Tensor, e: Tensor, top: Tensor, total: Tensor | None, bmax: Tensor, j: int, top_k: int, top_p: float,
-         min_p: float) -> Dist | None:
-    """The truncated distribution from the pool of the j best blocks, or None if the pool is too small."""
+def _cut(x: Tensor, e: Tensor, top: Tensor, total: Tensor | None, bmax: Tensor | None, nb: int, j: int, top_k: int,
+         top_p: float, min_p: float) -> Dist | None:
+    """The truncated distribution from the pool of the j best of nb blocks (maxima bmax), or None if the pool is
+    too small."""
     R, V = x.shape
-    nb = bmax.shape[1]
     dev = x.device
     if j < nb:
         best = bmax.topk(j + 1, -1)  # [R, j+1]
         tau = best.values[:, j:]  # [R, 1]: the largest block maximum outside the pool
         blocks = best.indices[:, :j].sort(-1).values  # ascending, so the pool's ids ascend
-    else:
+        ids = (blocks[..., None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten(1)  # [R, j*BLOCK]
+        vals = x.gather(1, ids.clamp_max(V - 1)).masked_fill_(ids >= V, float("-inf"))
+        certain = vals > tau  # all tokens above tau, wherever they are
+        n_certain = certain.sum(-1)  # [R]
+        K = int(n_certain.max())
+        if K == 0:  # every block maximum ties with tau
+            return None
+        pos = vals.masked_fill(~certain, float("-inf")).topk(K, -1).indices.sort(-1).values  # [R, K], ascending ids
+        v = vals.gather(1, pos)
+        c = certain.gather(1, pos)
+        # by logit, then by id: stable sort of ascending ids
+        order = v.masked_fill(~c, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        v, c, cid = v.gather(1, order), c.gather(1, order), ids.gather(1, pos).gather(1, order)  # [R, K]
+    else:  # the pool is the whole vocabulary: one stable sort orders it by logit, then by id
         tau = x.new_full((R, 1), float("-inf"))
-        blocks = torch.arange(nb, device=dev).expand(R, nb)
-    ids = (blocks[..., None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten(1)  # [R, j*BLOCK]
-    vals = x.gather(1, ids.clamp_max(V - 1)).masked_fill_(ids >= V, float("-inf"))
-    certain = vals > tau  # all tokens above tau, wherever they are
-    n_certain = certain.sum(-1)  # [R]
-    K = int(n_certain.max())
-    if K == 0:  # every block maximum ties with tau
-        return None
-    pos = vals.masked_fill(~certain, float("-inf")).topk(K, -1).indices.sort(-1).values  # [R, K], ascending ids
-    v = vals.gather(1, pos)
-    c = certain.gather(1, pos)
-    # by logit, then by id: stable sort of ascending ids
-    order = v.masked_fill(~c, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-    v, c, cid = v.gather(1, order), c.gather(1, order), ids.gather(1, pos).gather(1, order)  # [R, K]
+        v, cid = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
+        c = v > tau
+        n_certain, K = None, V
+    whole = j >= nb  # nothing lies outside the pool: every cut is final
     ec = e.gather(1, cid) * c  # [R, K], 0 past the certain tokens
     keep = c.clone()
     # a row is settled once its cut provably falls inside its certain tokens; the first sorted token
     # must be certain (it is the row's top unless tied with tau)
     ok = c[:, 0].clone()
-    settled = torch.full((R,), j == nb, dtype=torch.bool, device=dev)
+    settled = None if whole else torch.zeros(R, dtype=torch.bool, device=dev)
     if top_k:
         kth = v[:, min(top_k, K) - 1 :][:, :1]  # -inf in rows without k certain tokens (then incomplete)
         keep &= v >= kth
-        complete = n_certain >= top_k  # top-k's set (ties included) lies inside the certain tokens
-        settled |= complete
-        ok &= complete | (j == nb)
+        if not whole:
+            complete = n_certain >= top_k  # top-k's set (ties included) lies inside the certain tokens
+            settled |= complete
+            ok &= complete
     if top_p < 1.0:
         w = ec * keep
         p = w.double() / (w.sum(-1, keepdim=True, dtype=torch.float64) if top_k else total)  # [R, K]
@@ -164,11 +169,14 @@ def _cut(x: Tensor, e: Tensor, top: Tensor, total: Tensor | None, bmax: Tensor, 
         cut = (mass - p) >= top_p  # the tokens ahead of it already reach top_p
         cut[:, 0] = False
         keep &= ~cut
-        settled |= mass[:, -1] >= top_p + MASS_MARGIN
+        if not whole:
+            settled |= mass[:, -1] >= top_p + MASS_MARGIN
     if min_p > 0.0:
         keep &= ec >= min_p
-        settled |= (tau - top).exp()[:, 0] < min_p * (1.0 - MIN_P_MARGIN)
-    ok &= settled
+        if not whole:
+            settled |= (tau - top).exp()[:, 0] < min_p * (1.0 - MIN_P_MARGIN)
+    if not whole:
+        ok &= settled
     width = keep.sum(-1).amax()
     good, width = torch.stack([ok.all().to(width.dtype), width]).tolist()  # the one host sync
     if not good:
