@@ -426,6 +426,9 @@ def test_fidelity_scores_the_second_half_of_each_chunk_from_an_empty_cache(tiny)
     for c in range(2):
         alone = text_logits(tiny.model, ids[16 * c:16 * (c + 1)])
         assert torch.equal(got[7 * c:7 * (c + 1)], alone[8:15])
+    # the positions before `first` feed the cache without their logits, in passes that straddle it or not
+    for first in (0, 5, 8):
+        assert torch.equal(text_logits(tiny.model, ids[:16], 4, first=first), text_logits(tiny.model, ids[:16], 4)[first:])
     with pytest.raises(SpeculantError, match="needs 48 tokens"):
         fidelity_logits(tiny.model, ids, chunks=3, ctx=16)
 
@@ -441,6 +444,9 @@ def test_fidelity_starts_every_chunk_with_bos_as_llama_perplexity_does(tiny) -> 
     for c in range(2):
         alone = text_logits(tiny.model, [bos] + ids[16 * c + 1:16 * (c + 1)])
         assert torch.equal(got[7 * c:7 * (c + 1)], alone[8:15])
+    # the positions before `first` feed the cache without their logits, in passes that straddle it or not
+    for first in (0, 5, 8):
+        assert torch.equal(text_logits(tiny.model, ids[:16], 4, first=first), text_logits(tiny.model, ids[:16], 4)[first:])
     assert not torch.equal(got[7:], fidelity_logits(tiny.model, ids, chunks=2, ctx=16)[7:])
     backend = tiny.tokenizer._backend
     takes = Tokenizer(backend, bos_id=bos, eos_id=None, add_bos=True)

@@ -214,12 +214,14 @@ FIDELITY_PASS = 16  # tokens per forward when scoring the fidelity text: the dec
 FIDELITY_CTX = 512
 
 
-def text_logits(model: Transformer, ids: Sequence[int], pass_len: int = FIDELITY_PASS) -> Tensor:
-    """Logits [T, V] at every position of `ids`, scored in passes of `pass_len` tokens: by default the
-    short-pass route that decoding and verification take (a prompt's prefill may take another)."""
+def text_logits(model: Transformer, ids: Sequence[int], pass_len: int = FIDELITY_PASS, first: int = 0) -> Tensor:
+    """Logits [T - first, V] at the positions of `ids` from `first` on, scored in passes of `pass_len` tokens: by
+    default the short-pass route that decoding and verification take (a prompt's prefill may take another). The
+    positions before `first` are passed through (their keys and values) without their logits."""
     cache = model.new_cache(len(ids))
     t = torch.tensor(list(ids), device=model.device)
-    return torch.cat([model(t[i:i + pass_len], cache).logits.float().cpu() for i in range(0, len(ids), pass_len)])
+    return torch.cat([model(t[i:i + pass_len], cache, logit_rows=slice(max(first - i, 0), None)).logits.float().cpu()
+                      for i in range(0, len(ids), pass_len)])
 
 
 def fidelity_chunks(ids: Sequence[int], chunks: int, ctx: int = FIDELITY_CTX,
@@ -242,7 +244,7 @@ def fidelity_logits(model: Transformer, ids: Sequence[int], chunks: int, ctx: in
                     pass_len: int = FIDELITY_PASS, bos: int | None = None) -> Tensor:
     """Logits [chunks * (ctx / 2 - 1), V] at the scored positions of llama-perplexity's protocol (see
     FIDELITY_CTX), each chunk of `fidelity_chunks` scored by `text_logits` from an empty cache."""
-    return torch.cat([text_logits(model, part, pass_len)[ctx // 2:ctx - 1]
+    return torch.cat([text_logits(model, part, pass_len, first=ctx // 2)[:ctx // 2 - 1]
                       for part in fidelity_chunks(ids, chunks, ctx, bos)])
 
 
