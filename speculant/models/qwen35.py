@@ -152,7 +152,6 @@ class GatedAttention(nn.Module):
             out = out[0].transpose(0, 1).reshape(S, H * hd)
         return self.o(out * _rows(torch.sigmoid, gate))
 
-
     def _attend_native(self, lib, p: Tensor, kv, ai: int, start: int, cos: Tensor, sin: Tensor) -> Tensor:
         """delta.c's qwen35_attention: norms, rotary, cache write, row-wise attention and gate in one call."""
         S, H = p.shape[0], self.h
