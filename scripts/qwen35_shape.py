@@ -8,7 +8,8 @@ heads of 128, conv kernel 4, vocabulary 248320, tied embeddings, one MTP layer (
 
     python scripts/qwen35_shape.py build     # ~/.cache/speculant/shapes/qwen35-2b-shape-Q4_K_M.gguf (once)
     python scripts/qwen35_shape.py measure   # the timings, each repeated (median and spread)
-    python scripts/qwen35_shape.py profile   # torch.profiler's ops of a decode step and a verification pass
+    python scripts/qwen35_shape.py profile   # torch.profiler's ops of a decode step and a verification pass, and
+                                             # the passes' time beside their weight matmuls
 
 The build writes the random model in bfloat16 (never a float32 copy), converts it with llama.cpp's
 convert_hf_to_gguf.py to BF16 and quantizes that with llama-quantize (the tools tests/llama_cpp_ref.py builds), then
@@ -188,6 +189,36 @@ def profile(args) -> None:
                 cache.rollback(base)
         print(f"forward of {S} token(s), 5 runs")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    rest_of_step(model, cache, base)
+
+
+def rest_of_step(model, cache, base: int, runs: int = 7) -> None:
+    """What a pass costs beside its weight matmuls (the C calls torch.profiler does not see): the pass timed in turns
+    with and without them (each GGML linear then returns zeros; the other work is the same)."""
+    import torch
+
+    from speculant.models.formats import GGMLLinear
+
+    real = GGMLLinear.forward
+
+    def zeros(self, x):
+        return torch.zeros(x.shape[0], self.out_features)
+
+    for S in (1, 9):
+        times = {real: [], zeros: []}
+        try:
+            for _ in range(runs):
+                for fn in times:
+                    GGMLLinear.forward = fn
+                    t = time.perf_counter()
+                    model(torch.arange(S), cache)
+                    times[fn].append((time.perf_counter() - t) * 1e3)
+                    cache.rollback(base)
+        finally:
+            GGMLLinear.forward = real
+        full, rest = statistics.median(times[real]), statistics.median(times[zeros])
+        print(f"forward of {S} token(s): {full:.1f} ms, without the weight matmuls {rest:.1f} ms "
+              f"({rest / full:.0%} of the pass), median of {runs} in turns")
 
 
 def main() -> None:

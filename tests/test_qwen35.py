@@ -12,6 +12,7 @@ from speculant.decoding.engine import Engine, GenerationConfig
 from speculant.errors import SpeculantError
 from speculant.methods.config import MethodConfig
 from speculant.models import LoadedModel, load_model
+from speculant.models import qwen35
 from speculant.models.load_qwen35 import load_qwen35
 from speculant.models.qwen35_config import is_qwen35_hf
 
@@ -44,7 +45,12 @@ def test_load_model_reads_the_folder(folder, model):
     assert torch.equal(loaded.model(ids, loaded.model.new_cache(9)).logits, model(ids, model.new_cache(9)).logits)
 
 
-def test_a_pass_of_k_rows_is_k_one_token_passes_bit_for_bit(model):
+@pytest.mark.parametrize("route", ["native", "torch"])
+def test_a_pass_of_k_rows_is_k_one_token_passes_bit_for_bit(model, route, monkeypatch):
+    if route == "native" and qwen35.layer_kernels() is None:
+        pytest.skip("the x86 kernels do not run here")
+    if route == "torch":  # the layers' torch ops (the route where delta.c's layer calls do not run)
+        monkeypatch.setattr(qwen35, "layer_kernels", lambda: None)
     ids = prompt(20)
     a, b = model.new_cache(40), model.new_cache(40)
     model(torch.tensor(ids[:12]), a)
@@ -54,6 +60,37 @@ def test_a_pass_of_k_rows_is_k_one_token_passes_bit_for_bit(model):
     assert torch.equal(together, alone)
     sa, sb = a.snapshot(), b.snapshot()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_the_layer_kernels_serve_and_agree_with_the_torch_ops(model, monkeypatch):
+    """Where delta.c builds, each DeltaNet layer and each short pass's gated attention is its one C call, and the
+    logits and caches are those of the torch ops to float tolerance (exp and the sums' order differ)."""
+    if qwen35.layer_kernels() is None:
+        pytest.skip("the x86 kernels do not run here")
+    calls = {"deltanet": 0, "attention": 0}
+    layer, attend = qwen35.deltanet_layer, qwen35.GatedAttention._attend_native
+
+    def counted_layer(*a, **k):
+        calls["deltanet"] += 1
+        return layer(*a, **k)
+
+    def counted_attend(*a, **k):
+        calls["attention"] += 1
+        return attend(*a, **k)
+
+    monkeypatch.setattr(qwen35, "deltanet_layer", counted_layer)
+    monkeypatch.setattr(qwen35.GatedAttention, "_attend_native", counted_attend)
+    ids = torch.tensor(prompt(12))
+    a, b = model.new_cache(20), model.new_cache(20)
+    native = torch.cat([model(ids[:8], a).logits, model(ids[8:], a).logits])
+    assert calls == {"deltanet": 6, "attention": 2}  # 3 + 1 layers, two short passes
+    monkeypatch.setattr(qwen35, "layer_kernels", lambda: None)
+    ops = torch.cat([model(ids[:8], b).logits, model(ids[8:], b).logits])
+    assert calls == {"deltanet": 6, "attention": 2}
+    assert not torch.equal(native, ops)  # the two routes did run: their last bits differ
+    assert torch.allclose(native, ops, atol=1e-5, rtol=1e-5) and native.abs().max() > 0.1
+    sa, sb = a.snapshot(), b.snapshot()
+    assert all(torch.allclose(sa[k], sb[k], atol=1e-5, rtol=1e-4) for k in sa)
 
 
 def test_rollback_restores_the_cache_of_plain_decoding(model):

@@ -35,13 +35,6 @@ void rms_norm_rows(const float *x, const float *w, int64_t S, int64_t D, float e
     }
 }
 
-/* sigmoid(z), from exp(-|z|): 1 / (1 + e) for z >= 0, e / (1 + e) for z < 0 */
-static inline __m256 sigmoid8(__m256 z) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 e = exp_neg(_mm256_or_ps(z, _mm256_set1_ps(-0.0f)));  /* exp(-|z|) in (0, 1] */
-    return _mm256_div_ps(_mm256_blendv_ps(one, e, z), _mm256_add_ps(one, e));
-}
-
 /* act = silu(gate) * up = gate * sigmoid(gate) * up   (F a multiple of 8) */
 void silu_mul_rows(const float *h, int64_t S, int64_t F, float *act) {
     for (int64_t s = 0; s < S; s++) {

@@ -22,6 +22,13 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+/* sigmoid(z), from exp(-|z|): 1 / (1 + e) for z >= 0, e / (1 + e) for z < 0 */
+static inline __m256 sigmoid8(__m256 z) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp_neg(_mm256_or_ps(z, _mm256_set1_ps(-0.0f)));  /* exp(-|z|) in (0, 1] */
+    return _mm256_div_ps(_mm256_blendv_ps(one, e, z), _mm256_add_ps(one, e));
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

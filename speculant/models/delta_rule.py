@@ -26,16 +26,32 @@ CHUNK = 32  # tokens per kernel call of a pass whose per-token states are not ke
 
 
 @functools.cache
-def _kernel():
-    """delta.c's entry point, or None where the x86 kernels do not run here (torch serves)."""
+def _library():
+    """The kernels library with delta.c's entry points typed, or None where the x86 kernels do not run here."""
     try:
         lib = native.library()
     except SpeculantError:
         return None
-    fn = lib.delta_rule
-    fn.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    lib.delta_rule.argtypes = [_p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _p, ctypes.c_int]
+    lib.qwen35_deltanet.argtypes = [_p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, _p, _p,
+                                    _p, ctypes.c_float, _p, _p, _p, ctypes.c_int]
+    lib.qwen35_attention.argtypes = [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, ctypes.c_float, _p, _p, _p, _p, _i64,
+                                     _i64, ctypes.c_int, _p, ctypes.c_int]
+    for fn in (lib.delta_rule, lib.qwen35_deltanet, lib.qwen35_attention):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _kernel():
+    """delta.c's rule, or None where the x86 kernels do not run here (torch serves)."""
+    lib = _library()
+    return None if lib is None else lib.delta_rule
+
+
+def layer_kernels():
+    """delta.c's whole-layer entry points (qwen35_deltanet, qwen35_attention), or None where they do not run here:
+    models/qwen35.py then takes its torch path."""
+    return _library()
 
 
 def delta_rule_reference(state: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
@@ -91,3 +107,28 @@ def _run(fn, state: Tensor, q: Tensor, k: Tensor, v: Tensor, beta: Tensor,
     if fn(*(x.data_ptr() for x in args), S, H, K, V, states.data_ptr(), out.data_ptr(), torch.get_num_threads()):
         raise SpeculantError(f"the delta-rule kernel refused a value head size of {V} (at most {MAX_V})")
     return list(states.unbind(0)), out
+
+
+def deltanet_layer(lib, p: Tensor, xs: Tensor, conv: Tensor, state: Tensor, dims: tuple[int, int, int, int],
+                   tiled: bool, neg_a: Tensor, dt_bias: Tensor, norm: Tensor, eps: float,
+                   every: bool) -> tuple[list[Tensor], Tensor]:
+    """delta.c's qwen35_deltanet over a pass: p [S, P] (in_proj's rows), xs [window + S, C] (the convolution window,
+    then the pass's conv inputs), conv [K, C], state [hv, dk, dv] -> (the states after each row, or the last alone
+    (`every` False: in chunks of CHUNK rows), out_proj's input [S, hv dv]). dims: hk, hv, dk, dv; C and dv
+    multiples of 8, dv <= MAX_V."""
+    S, P = p.shape
+    K, C = conv.shape
+    hk, hv, dk, dv = dims
+    out = torch.empty(S, hv * dv)
+    kept, step = [], S if every else CHUNK
+    for c in range(0, S, step):
+        n = min(step, S - c)
+        states = torch.empty(n, hv, dk, dv)
+        rc = lib.qwen35_deltanet(p[c].data_ptr(), P, xs[c].data_ptr(), conv.data_ptr(), K, n, C, hk, hv, dk, dv,
+                                 int(tiled), neg_a.data_ptr(), dt_bias.data_ptr(), norm.data_ptr(), eps,
+                                 state.data_ptr(), states.data_ptr(), out[c].data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"the DeltaNet kernel failed ({rc})")
+        kept = list(states.unbind(0)) if every else []
+        state = states[-1]
+    return kept if every else [state], out

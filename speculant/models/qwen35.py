@@ -10,6 +10,11 @@ the Transformer); the convolution sums its taps in one fixed order per row; the 
 bit for bit, as k one-token passes; full attention on short passes attends row by row. Passes longer than
 ROW_WISE_MAX (prompts) take SDPA for attention and keep only their final recurrent state.
 
+Where the x86 kernels run (CPU, float32), a DeltaNet layer's work between its two linears (convolution, gates, the
+rule, the gated norm) is one C call, and so is a short pass's gated attention (norms, partial rotary, cache write,
+row-wise attention, output gate): kernels/delta.c, row by row with the same instructions for any S. That saves
+some 40 torch dispatches a layer; its bits are close to, not equal to, the torch ops below, which serve elsewhere.
+
 Norm weights arrive with the 1 already added (the loader's job), so every RMSNorm is transformer.rms_norm.
 """
 
@@ -21,7 +26,7 @@ from torch import Tensor, nn
 
 from ..errors import SpeculantError
 from .formats.base import QLinear
-from .delta_rule import delta_rule
+from .delta_rule import MAX_V, deltanet_layer, delta_rule, layer_kernels
 from .qwen35_config import Qwen35Config
 from .recurrent_cache import HybridCache
 from .rotary import tables
@@ -56,10 +61,20 @@ class DeltaNet(nn.Module):
         self.norm = _param(norm)
         self.hk, self.hv, self.dk, self.dv = cfg.lin_k_heads, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim
         self.c, self.eps, self.tiled = cfg.conv_dim, cfg.norm_eps, tiled
+        self.c_shape = self.c % 8 == 0 and self.dv % 8 == 0 and self.dv <= MAX_V  # what delta.c's layer call takes
 
     def forward(self, x: Tensor, cache: HybridCache, li: int) -> Tensor:
         S, C, hk, hv, dk, dv = x.shape[0], self.c, self.hk, self.hv, self.dk, self.dv
         p = self.in_proj(x)
+        lib = layer_kernels()
+        if lib is not None and self.c_shape and p.device.type == "cpu" and p.dtype == torch.float32:  # one C call
+            p = p.contiguous()
+            xs = torch.cat([cache.conv[li], p[:, :C]])
+            every = S <= ROW_WISE_MAX
+            states, o = deltanet_layer(lib, p, xs, self.conv, cache.state[li].contiguous(), (hk, hv, dk, dv),
+                                       self.tiled, self.neg_a, self.dt_bias, self.norm, self.eps, every)
+            cache.record(li, xs, [cache.state[li], *states], every)
+            return self.out_proj(o)
         vd = hv * dv
         z, b, a = p[:, C : C + vd], p[:, C + vd : C + vd + hv], p[:, C + vd + hv :]
         xs = torch.cat([cache.conv[li], p[:, :C]])  # [window + S, C]: the window, then this pass's inputs
@@ -111,13 +126,17 @@ class GatedAttention(nn.Module):
     def forward(self, x: Tensor, cache: HybridCache, ai: int, start: int, cos: Tensor, sin: Tensor) -> Tensor:
         S, H, Hkv, hd = x.shape[0], self.h, self.hkv, self.hd
         p = self.qkv(x)
+        kv = cache.kv if isinstance(cache, HybridCache) else cache  # the MTP layer's is a plain KVCache
+        lib = layer_kernels()
+        native = lib is not None and p.device.type == "cpu" and p.dtype == torch.float32 and hd % 32 == 0
+        if S <= ROW_WISE_MAX and native:  # short passes: one C call (a q8_0 cache needs whole 32-value blocks)
+            return self.o(self._attend_native(lib, p.contiguous(), kv, ai, start, cos, sin))
         qg = p[:, : 2 * H * hd].reshape(S, H, 2 * hd)
         gate = qg[..., hd:].reshape(S, H * hd)
         q = rms_norm(qg[..., :hd].reshape(S * H, hd), self.q_norm, self.eps).view(S, H, hd)
         k = rms_norm(p[:, 2 * H * hd : (2 * H + Hkv) * hd].reshape(S * Hkv, hd), self.k_norm, self.eps).view(S, Hkv, hd)
         v = p[:, (2 * H + Hkv) * hd :].reshape(S, Hkv, hd)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        kv = cache.kv if isinstance(cache, HybridCache) else cache  # the MTP layer's is a plain KVCache
         keys, vals = kv.write(ai, start, k.transpose(0, 1), v.transpose(0, 1))  # [Hkv, L+S, hd]
         keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         if S <= ROW_WISE_MAX:  # row by row: a verification pass attends exactly as one-token decoding
@@ -132,6 +151,19 @@ class GatedAttention(nn.Module):
                                                  enable_gqa=True)
             out = out[0].transpose(0, 1).reshape(S, H * hd)
         return self.o(out * _rows(torch.sigmoid, gate))
+
+    def _attend_native(self, lib, p: Tensor, kv, ai: int, start: int, cos: Tensor, sin: Tensor) -> Tensor:
+        """delta.c's qwen35_attention: norms, rotary, cache write, row-wise attention and gate in one call."""
+        S, H = p.shape[0], self.h
+        out = torch.empty(S, H * self.hd)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = lib.qwen35_attention(p.data_ptr(), S, H, self.hkv, self.hd, self.rd, self.q_norm.data_ptr(),
+                                  self.k_norm.data_ptr(), self.eps, cos.data_ptr(), sin.data_ptr(), kv.k[ai].data_ptr(),
+                                  kv.v[ai].data_ptr(), kv.max_len, start, kv.c_type, out.data_ptr(),
+                                  torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"the gated attention kernel failed ({rc})")
+        return out
 
 
 class Qwen35Block(nn.Module):
