@@ -134,8 +134,10 @@ class DFlashLayer(nn.Module):
         k = _rope(rms(self.k_proj(x).view(S, self.Hkv, self.hd), self.k_norm, self.eps), cos, sin)
         return k.transpose(0, 1), self.v_proj(x).view(S, self.Hkv, self.hd).transpose(0, 1)
 
-    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
-        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context."""
+    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
+        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context; `keep`: the rows
+        whose outputs are wanted, o_proj and the MLP then run on those alone (the attention still on all: torch's
+        attention rounds differently with fewer query rows)."""
         S = h.shape[0]
         x = rms(h, self.input_layernorm, self.eps)
         q = _rope(rms(self.q_proj(x).view(S, self.H, self.hd), self.q_norm, self.eps), cos, sin).transpose(0, 1)
@@ -143,7 +145,10 @@ class DFlashLayer(nn.Module):
         start = cache.length
         keys, values = cache.write(layer, start, k, v)  # context + block; the caller never counts the block in
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=True)[0]  # [H, S, hd]
-        h = h + self.o_proj(out.transpose(0, 1).reshape(S, self.H * self.hd))
+        out = out.transpose(0, 1).reshape(S, self.H * self.hd)
+        if keep is not None:
+            h, out = h[keep], out[keep]
+        h = h + self.o_proj(out)
         x = rms(h, self.post_attention_layernorm, self.eps)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -166,12 +171,20 @@ class DFlashModel(nn.Module):
             cache.write(i, start, *layer.kv(c, cos, sin))
         cache.length = end
 
-    def block(self, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
-        """The block's embeddings x [b, D] -> the normed outputs [b, D]; the cache keeps only the context."""
+    def block(self, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
+        """The block's embeddings x [b, D] -> the normed outputs [b, D], or of the rows `keep` alone (the last layer's
+        o_proj and MLP run on those only). The cache keeps only the context."""
         cache.reserve(x.shape[0])  # room for the block's own keys/values, written past the context
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache, i, cos, sin)
+            x = layer(x, cache, i, cos, sin, keep if i == last else None)
         return rms(x, self.norm, self.cfg.norm_eps)
+
+    def rows_invariant(self) -> bool:
+        """Whether each row's outputs are the same bits whatever rows pass with it: every linear a GGML layer (its
+        integer kernel's rows are batch-invariant at short passes); torch's float matmul is not."""
+        linears = [m for m in self.modules() if isinstance(m, (nn.Linear, GGMLLinear))]
+        return all(isinstance(m, GGMLLinear) for m in linears)
 
 
 def _own_name(hf: str) -> str:
