@@ -2,6 +2,7 @@
 
     python scripts/dflash_shape.py build     # -> $SPECULANT_HOME/shapes/qwen3-4b-q4_k_m.gguf, dflash-b16-q8_0.gguf
     python scripts/dflash_shape.py measure   # timings and the projected speedup (JSON on the last line)
+    python scripts/dflash_shape.py profile   # one drafter round by part (`profile`'s docstring)
 
 `build` writes a Qwen3-4B-shaped target (36 layers, hidden 2560, FFN 9728, 32/8 heads of 128, vocab 151936, tied
 embeddings) and a DFlash-b16 drafter in z-lab's published layout for it (5 Qwen3 layers of the target's width,
@@ -168,10 +169,9 @@ def _spread(xs: list[float]) -> dict:
     return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
-def measure(paths: dict[str, Path]) -> dict:
-    """The module docstring's timings. Each repetition is one pass over [t1, V(2), ..., V(17), D, t1] (a warm-up pass
-    first), and the ratios c and R(k) are taken within a pass against the mean of its two t1: on a shared, loaded
-    host the load drifts between passes, less within one."""
+def _setup(paths: dict[str, Path]) -> dict:
+    """The target and drafter loaded, the target's cache holding CONTEXT random tokens and the drafter's their rows,
+    and the features of an accepted round of ROUND_ROWS tokens (the last ones, again)."""
     from speculant import SamplingConfig, load_model
     from speculant.exact.sampler import Sampler
     from speculant.methods.dflash import DFlashDrafter
@@ -180,15 +180,33 @@ def measure(paths: dict[str, Path]) -> dict:
     target = load_model(str(paths["target"]), None, progress=False, use_cache=False)
     m = target.model
     ids = [int(x) for x in torch.randint(0, 150000, (CONTEXT,), generator=torch.Generator().manual_seed(0))]
-    ks = list(range(1, BLOCK + 1))
     d = DFlashDrafter(load_dflash_drafter(target, HeadsConfig(str(paths["drafter"]))), m,
                       Sampler(SamplingConfig(), m.cfg.vocab_size), CONTEXT + 64)
     cache = m.new_cache(CONTEXT + 2 * BLOCK)
     fwd = m(torch.tensor(ids), cache, taps=d.taps)
     d.start(ids, fwd.taps)
     d.block_logits(ids[-1], BLOCK - 1)  # the prompt's rows into the drafter's cache
-    base, dbase = cache.length, d.cache.length
-    feats = {t: h[-ROUND_ROWS:] for t, h in fwd.taps.items()}
+    return {"m": m, "d": d, "cache": cache, "ids": ids, "base": cache.length, "dbase": d.cache.length,
+            "feats": {t: h[-ROUND_ROWS:] for t, h in fwd.taps.items()}}
+
+
+def _draft(s: dict) -> float:
+    """One round in ms: an accepted round's context rows, then the block of 16."""
+    d = s["d"]
+    d.cache.rollback(s["dbase"])
+    d.commit(s["ids"][-ROUND_ROWS:], BLOCK - 1, hidden=s["feats"])
+    t = time.perf_counter()
+    d.propose(s["ids"][-1], BLOCK - 1)
+    return (time.perf_counter() - t) * 1000
+
+
+def measure(paths: dict[str, Path]) -> dict:
+    """The module docstring's timings. Each repetition is one pass over [t1, V(2), ..., V(17), D, t1] (a warm-up pass
+    first), and the ratios c and R(k) are taken within a pass against the mean of its two t1: on a shared, loaded
+    host the load drifts between passes, less within one."""
+    s = _setup(paths)
+    m, cache, ids, base = s["m"], s["cache"], s["ids"], s["base"]
+    ks = list(range(1, BLOCK + 1))
     new = torch.tensor(ids[: BLOCK + 1])
 
     def verify(n: int) -> float:  # as bench.speed.cost_curve: n tokens on the filled cache, rolled back
@@ -198,18 +216,11 @@ def measure(paths: dict[str, Path]) -> dict:
         cache.rollback(base)
         return dt * 1000
 
-    def draft() -> float:  # one round: an accepted round's context rows, then the block of 16
-        d.cache.rollback(dbase)
-        d.commit(ids[-ROUND_ROWS:], BLOCK - 1, hidden=feats)
-        t = time.perf_counter()
-        d.propose(ids[-1], BLOCK - 1)
-        return (time.perf_counter() - t) * 1000
-
     passes = []
     for i in range(REPEATS + 1):
         a = verify(1)
         V = {k: verify(k + 1) for k in ks}
-        D = draft()
+        D = _draft(s)
         t1 = (a + verify(1)) / 2
         if i:
             passes.append({"t1": t1, "V": V, "D": D, "c": D / t1, "R": {k: V[k] / t1 for k in ks}})
@@ -227,6 +238,52 @@ def measure(paths: dict[str, Path]) -> dict:
                                       for name, tau in TAUS.items()}}
 
 
+def profile(paths: dict[str, Path]) -> dict:
+    """One drafter round by part, ms (median of REPEATS, a warm-up first): the whole round; the accepted round's
+    ROUND_ROWS context rows into every layer's keys/values (fc, hidden_norm, k/v); the block's pass through the
+    layers and, of it, the linear layers alone (each called on the block's rows); the target's output layer over
+    the BLOCK - 1 draft rows; and the target's one-token step for scale."""
+    s = _setup(paths)
+    m, d, cache = s["m"], s["d"], s["cache"]
+    model, P = d.model, s["dbase"] + d.pos0
+    f = d._features(s["feats"])
+    x = m.embed(torch.tensor([s["ids"][-1]] + [d.mask[0].item()] * (BLOCK - 1))).float() * model.cfg.embed_scale
+    rows = {lin.in_features: torch.randn(BLOCK, lin.in_features) for layer in model.layers for lin in layer.children()
+            if hasattr(lin, "in_features")}
+    h = torch.randn(BLOCK - 1, model.cfg.hidden)
+
+    def context() -> None:
+        d.cache.rollback(s["dbase"])
+        model.add_context(f, d.cache, d.cos[P : P + ROUND_ROWS], d.sin[P : P + ROUND_ROWS])
+
+    def block() -> None:
+        q = P + ROUND_ROWS
+        model.block(x, d.cache, d.cos[q : q + BLOCK], d.sin[q : q + BLOCK])
+
+    def linears() -> None:
+        for layer in model.layers:
+            for lin in layer.children():
+                if hasattr(lin, "in_features"):
+                    lin(rows[lin.in_features])
+
+    def step() -> None:
+        m(torch.tensor(s["ids"][:1]), cache)
+        cache.rollback(s["base"])
+
+    parts = {"round": lambda: _draft(s) / 1000, "context_rows": context, "block_pass": block,
+             "block_linears": linears, "output_layer": lambda: d._logits(h), "target_step": step}
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    with torch.inference_mode():
+        for i in range(REPEATS + 1):
+            for name, fn in parts.items():
+                t = time.perf_counter()
+                fn()
+                if i:
+                    times[name].append((time.perf_counter() - t) * 1000)
+    return {"cpu": _cpu(), "threads": torch.get_num_threads(), "context": CONTEXT,
+            "ms": {k: _spread(v) for k, v in times.items()}}
+
+
 def _cpu() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -236,11 +293,11 @@ def _cpu() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("build", "measure"))
+    ap.add_argument("what", choices=("build", "measure", "profile"))
     args = ap.parse_args()
     paths = build()
-    if args.what == "measure":
-        print(json.dumps(measure(paths)))
+    if args.what in ("measure", "profile"):
+        print(json.dumps((measure if args.what == "measure" else profile)(paths)))
     else:
         print(paths)
 

@@ -122,6 +122,28 @@ def test_logits_match_the_reference(layer_ids, dflash, qwen3, tmp_path):
     assert drafter.block_logits(7, 3).shape == (3, 128)  # k below the block: its first rows
 
 
+def test_drafted_rows_alone_give_the_whole_blocks_bits(qwen3, tmp_path):
+    """In the block formats block_logits runs the last layer's o_proj and MLP on the drafted rows alone: for every k
+    its logits are, bit for bit, those of rows 1..k of the whole block's pass. float32 (torch's matmul, whose rows
+    depend on the others) runs the whole block."""
+    folder = write_dflash(tmp_path / "d", vocab=128, layer_ids=(1, 3), seed=11)
+    target = load_model(str(qwen3), "float32")
+    assert not load_dflash_drafter(target, HeadsConfig(str(folder), fmt="float32")).rows_invariant()
+    model = load_dflash_drafter(target, HeadsConfig(str(folder), fmt="q8_0"))
+    m = target.model
+    drafter = DFlashDrafter(model, m, Sampler(SamplingConfig(), 128), 64)
+    assert drafter._trim
+    prompt = _prompt(14, 128)
+    drafter.start(prompt, m(torch.tensor(prompt), m.new_cache(64), taps=drafter.taps).taps)
+    drafter.block_logits(5, 1)  # the prompt's rows into the cache
+    P = drafter.pos0 + drafter.cache.length
+    x = m.embed(torch.tensor([5] + [127] * (BLOCK - 1))).float()
+    with torch.inference_mode():
+        whole = model.block(x, drafter.cache, drafter.cos[P : P + BLOCK], drafter.sin[P : P + BLOCK])
+        for k in range(1, BLOCK):
+            assert torch.equal(drafter.block_logits(5, k), drafter._logits(whole[1 : k + 1])), k
+
+
 def test_the_reference_is_z_labs_model(tmp_path):
     """tests/dflash_ref.py against DFlashDraftModel itself, on a drafter the package saves (so the layout the
     loader reads is the package's own)."""

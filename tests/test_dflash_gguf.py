@@ -24,7 +24,8 @@ DFlash run aborts with "layer input tensor is null" when the ids name layer N-1)
     and the CLI;
 (c) llama-speculative-simple --spec-type draft-dflash runs the same pair greedily with blocks of BLOCK-1 drafts
     (every KV cache f32): round by round its drafts and accepted counts equal speculant's (the drafter in float32
-    from the file's weights, the same fixed draft length), for the F32 and the Q8_0 drafter;
+    from the file's weights, the same fixed draft length), for the F32 and the Q8_0 drafter, and for the Q8_0
+    drafter's own blocks through the block kernels (the default);
 (d) a DFlash GGUF given to the EAGLE-3 loader says which method runs it.
 """
 
@@ -34,6 +35,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from llama_cpp_ref import convert_hf_to_gguf, equal_rounds, greedy_tokens, llama_cpp_bin, quantize, speculative_rounds
@@ -47,6 +49,8 @@ from speculant.methods.base import DraftLengthConfig
 from speculant.methods.dflash import DFlashDrafter
 from speculant.methods.governor import GovernorConfig
 from speculant.methods.heads import HeadsConfig, load_dflash_drafter
+from speculant.models import native
+from speculant.models.formats import GGMLLinear
 
 pytestmark = pytest.mark.real  # SmolLM2's tokenizer comes from the real preset's GGUF
 
@@ -163,14 +167,34 @@ def test_greedy_with_gguf_drafters_equals_ar_and_llama_cpp(files, target, bin_di
     assert outs[0][0] == outs[1][0] and outs[1][1]["method"] == "dflash" and outs[1][1]["accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("name", DRAFTERS)
-def test_rounds_against_llama_speculative_simple(files, target, bin_dir, name, monkeypatch):
+def test_block_format_keeps_the_files_blocks_in_tiles(files, target):
+    """A Q8_0 drafter GGUF multiplies the file's own blocks (no dequantize-requantize), and every layer that makes
+    whole 16-row tiles, from the file or quantized on load from a folder, is repacked into them (the kernel a
+    16-row round wants)."""
+    q8 = load_dflash_drafter(target, HeadsConfig(str(files["dflash-q8_0.gguf"])))
+    folder = load_dflash_drafter(target, HeadsConfig(str(files["dflash"])))
+    lib = native.gq_library()
+    for model in (q8, folder):
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, GGMLLinear)}
+        assert len(linears) == 7 + 1  # one layer's seven and fc
+        for n, m in linears.items():
+            p = m.parts[0]
+            assert (m.tiles()[0] is not None) == bool(lib.gq_packable(p.qtype, p.rows, m.in_features)), n
+        assert linears["layers.0.q_proj"].tiles()[0] is not None
+    for n, m in q8.named_modules():
+        if isinstance(m, GGMLLinear):
+            assert isinstance(m.parts[0].data.base, np.memmap) or isinstance(m.parts[0].data, np.memmap), n
+
+
+@pytest.mark.parametrize("name,fmt", [(n, "float32") for n in DRAFTERS] + [("dflash-q8_0.gguf", None)])
+def test_rounds_against_llama_speculative_simple(files, target, bin_dir, name, fmt, monkeypatch):
     """As test_eagle3_llama_cpp's: llama.cpp gets the prompt with speculant's first token appended, so both draft
-    their first block from the same state; then every round's drafts and accepted count must be equal."""
+    their first block from the same state; then every round's drafts and accepted count must be equal. fmt None:
+    the Q8_0 file's own blocks through the block kernels, as the engine runs it by default."""
     k = BLOCK - 1
     ids = target.tokenizer.encode(PROMPT)
     method = drafter_method(str(files[name]), MethodConfig(
-        draft_length=DraftLengthConfig(k, "fixed", k), governor=GovernorConfig("off"), heads=HeadsConfig(fmt="float32")))
+        draft_length=DraftLengthConfig(k, "fixed", k), governor=GovernorConfig("off"), heads=HeadsConfig(fmt=fmt)))
     chains, counts = [], []
     propose, record = DFlashDrafter.propose, Stats.record_round
     monkeypatch.setattr(DFlashDrafter, "propose", lambda self, p, n: (t := propose(self, p, n), chains.append(t.tokens.tolist()))[0])

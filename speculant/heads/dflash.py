@@ -28,6 +28,8 @@ from torch import Tensor, nn
 
 from ..errors import SpeculantError
 from ..models.cache import KVCache
+from ..models.formats import GGMLLinear, make_linear
+from ..models.formats.ggml import Part
 from ..models.hf_config import config_from_hf
 from ..models.rotary import _rope
 from ..models.transformer import FINAL_HIDDEN
@@ -132,8 +134,10 @@ class DFlashLayer(nn.Module):
         k = _rope(rms(self.k_proj(x).view(S, self.Hkv, self.hd), self.k_norm, self.eps), cos, sin)
         return k.transpose(0, 1), self.v_proj(x).view(S, self.Hkv, self.hd).transpose(0, 1)
 
-    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor) -> Tensor:
-        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context."""
+    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
+        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context; `keep`: the rows
+        whose outputs are wanted, o_proj and the MLP then run on those alone (the attention still on all: torch's
+        attention rounds differently with fewer query rows)."""
         S = h.shape[0]
         x = rms(h, self.input_layernorm, self.eps)
         q = _rope(rms(self.q_proj(x).view(S, self.H, self.hd), self.q_norm, self.eps), cos, sin).transpose(0, 1)
@@ -141,7 +145,10 @@ class DFlashLayer(nn.Module):
         start = cache.length
         keys, values = cache.write(layer, start, k, v)  # context + block; the caller never counts the block in
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=True)[0]  # [H, S, hd]
-        h = h + self.o_proj(out.transpose(0, 1).reshape(S, self.H * self.hd))
+        out = out.transpose(0, 1).reshape(S, self.H * self.hd)
+        if keep is not None:
+            h, out = h[keep], out[keep]
+        h = h + self.o_proj(out)
         x = rms(h, self.post_attention_layernorm, self.eps)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -164,12 +171,48 @@ class DFlashModel(nn.Module):
             cache.write(i, start, *layer.kv(c, cos, sin))
         cache.length = end
 
-    def block(self, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
-        """The block's embeddings x [b, D] -> the normed outputs [b, D]; the cache keeps only the context."""
+    def block(self, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
+        """The block's embeddings x [b, D] -> the normed outputs [b, D], or of the rows `keep` alone (the last layer's
+        o_proj and MLP run on those only). The cache keeps only the context."""
         cache.reserve(x.shape[0])  # room for the block's own keys/values, written past the context
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache, i, cos, sin)
+            x = layer(x, cache, i, cos, sin, keep if i == last else None)
         return rms(x, self.norm, self.cfg.norm_eps)
+
+    def rows_invariant(self) -> bool:
+        """Whether each row's outputs are the same bits whatever rows pass with it: every linear a GGML layer (its
+        integer kernel's rows are batch-invariant at short passes); torch's float matmul is not."""
+        linears = [m for m in self.modules() if isinstance(m, (nn.Linear, GGMLLinear))]
+        return all(isinstance(m, GGMLLinear) for m in linears)
+
+
+def _own_name(hf: str) -> str:
+    """An HF tensor name as this module's (no self_attn./mlp. level)."""
+    return hf.replace("self_attn.", "").replace("mlp.", "")
+
+
+def to_block_format(model: DFlashModel, fmt: str, blocks: dict[str, Part]) -> None:
+    """Every linear of `model` in a block format: a GGUF file's own blocks where `blocks` (HF weight name -> the
+    file's part) has them, else its float weights quantized to `fmt`. The GGML layers are repacked into 16-row
+    tiles now, the file's blocks and those quantized here alike: a round multiplies the block's 16 rows, which the
+    tiles' kernel does in about half the time of the rows' layout (the kernels repack a file's blocks only by
+    default, since blocks held in memory stay beside their tiles)."""
+    for name, lin in list(model.named_modules()):
+        if not isinstance(lin, nn.Linear):
+            continue
+        bias = None if lin.bias is None else lin.bias.detach()
+        part = next((p for hf, p in blocks.items() if _own_name(hf) == f"{name}.weight"), None)
+        if part is not None:
+            new = GGMLLinear([part], lin.in_features, bias)
+        else:
+            new = make_linear(lin.weight.detach(), bias, fmt)
+            if isinstance(new, GGMLLinear):
+                new = GGMLLinear(new.parts, new.in_features, new.bias, pack=True)
+        if isinstance(new, GGMLLinear):
+            new.tiles()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
 
 
 def load_dflash(folder: Path, target_cfg, raw: dict, tensors: dict[str, Tensor]) -> DFlashModel:
@@ -182,7 +225,7 @@ def load_dflash(folder: Path, target_cfg, raw: dict, tensors: dict[str, Tensor])
     for k, v in tensors.items():
         if k in ("embed_tokens.weight", "lm_head.weight"):  # the target's own are used, as the reference does
             continue
-        key = k.replace("self_attn.", "").replace("mlp.", "")
+        key = _own_name(k)
         mapped[key.removesuffix(".weight") if key.endswith("norm.weight") else key] = v
     missing = [k for k in own if k not in mapped]
     unexpected = [k for k in mapped if k not in own]

@@ -10,6 +10,9 @@ general.architecture `dflash`), read back as z-lab's layout so that dflash.py ch
 
 Qwen3's rotary is rotate-half (NeoX) in both, so q/k rows are as they are. The DFlash-2 / DSpark extras
 (convolutions, candidate selectors) and causal or sliding-window drafters are refused.
+
+`file_blocks` gives the linears' weights as the file stores them (memory-mapped GGML blocks), so the drafter
+multiplies llama.cpp's own blocks, as the target does its file's, instead of requantizing dequantized ones.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import Tensor
 
 from ..errors import SpeculantError
 from ..gguf_file import GGUFFile
+from ..models.formats.ggml import PACKED_TYPES, Part, row_bytes
 
 ARCH = "dflash"
 _TOP = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight"}
@@ -88,3 +92,21 @@ def read_dflash_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
               "vocab_size": len(f.fields.get("tokenizer.ggml.tokens") or ()) or 1,
               "attention_bias": any(k.endswith(".bias") for k in tensors), "dflash_config": dflash}
     return config, tensors
+
+
+def file_blocks(path: Path) -> dict[str, Part]:
+    """HF name -> the file's own blocks of each 2-D weight stored in a GGML block type (PACKED_TYPES: what
+    llama-quantize writes), memory-mapped; the float types (F32, F16, BF16) are left to the heads' format."""
+    f = GGUFFile(path)
+    out = {}
+    for t in f.tensors:
+        hf = _hf_name(t.name)
+        if hf is None or len(t.shape) != 2 or t.tensor_type not in PACKED_TYPES:
+            continue
+        k, rows = t.shape
+        rb = row_bytes(int(t.tensor_type), k)
+        if rb * rows != t.n_bytes:
+            raise SpeculantError(f"{path}: tensor {t.name} has {t.n_bytes} bytes, not {rows} rows of {k} "
+                                 f"{t.tensor_type.name} values; the file is corrupt")
+        out[hf] = Part(int(t.tensor_type), f.raw(t).reshape(rows, rb))
+    return out

@@ -46,6 +46,8 @@ class DFlashDrafter(Drafter):
         cos, sin = tables(cfg.rope_inv_freq, n)
         self.cos, self.sin = cos.to(target.device), sin.to(target.device)
         self.mask = torch.tensor([cfg.mask_token_id] * (cfg.block_size - 1), device=target.device)
+        # the last layer's o_proj and MLP on the drafted rows alone, where that leaves their bits as they are
+        self._trim = model.rows_invariant()
         self.pos0 = 0  # position of cache row 0 (a reused prompt prefix has no features)
         self._waiting: list[Tensor] = []  # feature rows [R, n*D] not in the cache yet
 
@@ -85,8 +87,10 @@ class DFlashDrafter(Drafter):
                 return None
             ids = torch.cat([self.mask.new_tensor([pending]), self.mask[: b - 1]])
             x = self.target.embed(ids).float() * model.cfg.embed_scale
-            h = model.block(x, self.cache, self.cos[P : P + b], self.sin[P : P + b])
-            return self._logits(h[1 : k + 1])
+            keep = slice(1, k + 1)
+            if self._trim:
+                return self._logits(model.block(x, self.cache, self.cos[P : P + b], self.sin[P : P + b], keep))
+            return self._logits(model.block(x, self.cache, self.cos[P : P + b], self.sin[P : P + b])[keep])
 
     def _logits(self, h: Tensor) -> Tensor:
         c = self.model.cfg

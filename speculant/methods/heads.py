@@ -13,11 +13,11 @@ from torch import nn
 
 from ..errors import SpeculantError
 from .base import MAX_DRAFT_TOKENS
-from ..heads.dflash import DFlashModel, is_dflash, load_dflash
-from ..heads.dflash_gguf import read_dflash_gguf
+from ..heads.dflash import DFlashModel, is_dflash, load_dflash, to_block_format
+from ..heads.dflash_gguf import file_blocks, read_dflash_gguf
 from ..heads.formats import _read_config, _read_tensors, load_head
 from ..heads.gguf_drafter import is_gguf
-from ..heads.layer import inference_format, quantize_linears
+from ..heads.layer import inference_format
 from ..models.formats import QLinear
 from ..heads.modules import EagleHead, MedusaHeads, for_inference, init_from_target
 from ..heads.store import resolve_heads
@@ -36,7 +36,9 @@ class HeadsConfig:
     nodes: int = 4
     depth: int = 4  # EAGLE: draft steps (tree depth) per round
     topk: int = 2  # EAGLE: children per expanded node, and nodes expanded per step
-    fmt: str | None = None  # the head's weight format (None: q8_0 where the GGML kernels run on the CPU, else float32)
+    # the head's weight format (None: q8_0 where the GGML kernels run on the CPU, else float32; a DFlash drafter
+    # GGUF's block-typed weights then stay the file's own blocks)
+    fmt: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= MAX_DRAFT_TOKENS:
@@ -67,7 +69,8 @@ def _format(target, cfg: HeadsConfig) -> str:
 
 
 def load_dflash_drafter(target, cfg: HeadsConfig) -> DFlashModel:
-    """The DFlash drafter of `--drafter cfg.name` for `target` (a LoadedModel), its linears in the heads' format."""
+    """The DFlash drafter of `--drafter cfg.name` for `target` (a LoadedModel), its linears in the heads' format; a
+    GGUF drafter's block-typed linears keep the file's own blocks unless a format is asked for (cfg.fmt)."""
     folder = resolve_heads(cfg.name, target.name, "dflash")
     if is_gguf(folder):  # llama.cpp's DFlash drafter GGUF
         raw, tensors = read_dflash_gguf(folder)
@@ -80,7 +83,7 @@ def load_dflash_drafter(target, cfg: HeadsConfig) -> DFlashModel:
     model = load_dflash(folder, target.config, raw, tensors)
     fmt = _format(target, cfg)
     if fmt != "float32":
-        quantize_linears(model, fmt)
+        to_block_format(model, fmt, file_blocks(folder) if is_gguf(folder) and cfg.fmt is None else {})
     return model.to(target.model.device)
 
 
