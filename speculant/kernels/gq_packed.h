@@ -275,16 +275,6 @@ static inline vi_t q6_scale_pairs(const uint8_t *sc, int v) {
 #endif
 }
 
-#if PK_I16
-/* Lanes VL v .. of a Q6_K group's 16 int8 scales (at sc), each in both int16 halves of its lane: vpmaddwd by it
- * scales a lane's two pair sums and adds them. Q6_K's u < 64, so a pair sum is <= 16002 and two quads' <= 32004:
- * int16 holds two quads, and S stays the same exact integer. */
-static inline vi_t q6_scales16(const uint8_t *sc) {
-    const __m128i a = _mm_loadl_epi64((const __m128i *)sc);
-    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, a));
-}
-#endif
-
 /* packed_rows for Q6_K: b16 [R][K / 16] (sums of x per 16). */
 static inline __attribute__((always_inline)) void packed6_rows(const int R, const uint8_t *tile, const int64_t nsb,
                                                                const int8_t *xq, const int64_t K, const float *xd,
@@ -308,41 +298,6 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
                 hl[v] = VI_LOAD(o + P6_QH + 64 * s + 4 * VL * v);
                 hh[v] = VI_LOAD(o + P6_QH + 64 * (8 + s) + 4 * VL * v);
             }
-#if PK_I16
-            /* int16 sums of two quads (above), widened by vpmaddwd with the group's scale straight into S: fewer
-             * instructions per activation row, so passes of several rows; one row kept the int32 chains, which
-             * were faster there (`scripts/kernel_ab.py --types Q6_K`; docs/measurements.md, issue 49) */
-            if (R > 1) {
-                vi_t sl[2], sh[2];
-                for (int v = 0; v < NV; v++) {
-                    sl[v] = q6_scales16(o + P6_SC + 16 * s + VL * v);
-                    sh[v] = q6_scales16(o + P6_SC + 16 * (8 + s) + VL * v);
-                }
-#pragma GCC unroll 2
-                for (int f = 0; f < 4; f += 2) {
-                    const int g = 4 * s + f;
-                    vi_t wl[2][2], wh[2][2]; /* [quad g + e][v] */
-                    for (int e = 0; e < 2; e++)
-                        for (int v = 0; v < NV; v++) {
-                            const vi_t q = VI_LOAD(o + 64 * (g + e) + 4 * VL * v);
-                            wl[e][v] = VI_OR(VI_AND(q, lo4), q6_high(hl[v], f + e));
-                            wh[e][v] = VI_OR(VI_AND(VI_SRLI16(q, 4), lo4), q6_high(hh[v], f + e));
-                        }
-                    for (int m = 0; m < R; m++) {
-                        const int8_t *xm = x + m * K + 4 * g;
-                        const vi_t xl0 = bcast4(xm), xl1 = bcast4(xm + 4), xh0 = bcast4(xm + 128), xh1 = bcast4(xm + 132);
-                        for (int v = 0; v < NV; v++) {
-                            const vi_t pl = _mm256_add_epi16(_mm256_maddubs_epi16(wl[0][v], xl0),
-                                                             _mm256_maddubs_epi16(wl[1][v], xl1));
-                            const vi_t ph = _mm256_add_epi16(_mm256_maddubs_epi16(wh[0][v], xh0),
-                                                             _mm256_maddubs_epi16(wh[1][v], xh1));
-                            S[m][v] = VI_ADD(S[m][v], VI_ADD(_mm256_madd_epi16(pl, sl[v]), _mm256_madd_epi16(ph, sh[v])));
-                        }
-                    }
-                }
-                continue;
-            }
-#endif
 #pragma GCC unroll 4
             for (int f = 0; f < 4; f++) {
                 const int g = 4 * s + f;
