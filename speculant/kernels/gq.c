@@ -203,10 +203,16 @@ int gq_matmul(const gq_part *parts, int nparts, const float *x, int64_t M, int64
     if (nthreads < 1) nthreads = 1;
     if (N * K < (1 << 16)) nthreads = 1; /* not worth waking other threads */
 
+    /* Tiles are handed out in runs of `chunk` as threads ask (a run's tiles are contiguous, so each thread still
+     * streams whole runs): with a static split, a thread that the OS takes off its core for a while (other
+     * processes on the cores) left the others waiting at the barrier with nothing to do. The output of a tile
+     * does not depend on which thread computes it. */
+    const int64_t chunk = ptiles / (16 * (int64_t)nthreads) > 1 ? ptiles / (16 * (int64_t)nthreads) : 1;
+
 #pragma omp parallel num_threads(nthreads)
     {
         xquant_fill(&X, x, M, K);
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, chunk) nowait
         for (int64_t i = 0; i < ptiles; i++)
             packed_part_tile(parts, nparts, i, M, &X, K, bias, y, N);
         /* one decoded row per thread (u[K], sce[K/2], mn[K/16], d/dm[K/32], f[K]) for the rows not packed */

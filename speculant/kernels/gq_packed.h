@@ -187,10 +187,11 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
     const int64_t sbb = q5 ? PACK5_SB_BYTES : PACK_SB_BYTES;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * sbb;
-        /* A decode step's Q4_K (M = 1) asks for every other line: half the prefetch instructions, and the lines
-         * between still arrive in time. Passes of several rows, and Q6_K's output layer, need every line: skipping
-         * lines made them slower (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices"). */
-        prefetch_tile(o, sbb, q5 ? 8192 : 4096, q5 || R > 1 ? 64 : 128);
+        /* A decode step's Q4_K (M = 1) asks for every other line on AVX-512 builds: half the prefetch instructions,
+         * and the lines between still arrive in time. Passes of several rows, Q6_K's output layer, and every pass
+         * of the 256-bit builds need every line: skipping lines made them slower (`scripts/linear_timing.py`,
+         * `scripts/kernel_ab.py`; docs/measurements.md "Kernel choices" and issue 49). */
+        prefetch_tile(o, sbb, q5 ? 8192 : 4096, q5 || R > 1 || !GQ_512 ? 64 : 128);
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;

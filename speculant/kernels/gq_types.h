@@ -104,7 +104,7 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
  * starts, into L2 (prefetcht1), not L1: prefetcht0 of a whole superblock at once (40-53 lines) made every
  * pass of several rows compute-starved (`scripts/linear_timing.py --rows 4`; docs/measurements.md "Kernel
  * choices"). Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead rather than 4096.
- * `step` is 64 (every line) but for Q4_K at M = 1 (gq_packed.h). No effect on results. */
+ * `step` is 64 (every line) but for Q4_K at M = 1 on AVX-512 builds (gq_packed.h). No effect on results. */
 static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead, int step) {
 #if defined(__GNUC__)
     for (int64_t l = 0; l < bytes; l += step) __builtin_prefetch(o + ahead + l, 0, 2);
