@@ -86,7 +86,10 @@ def test_cli_chat_survives_ctrl_c_in_a_pty():
     env = {**os.environ, "SPECULANT_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "speculant.cli", "chat", "--model", "smollm2-135m-instruct",
                              "--no-progress", "--max-tokens", "600"], stdin=slave, stdout=slave, stderr=slave,
-                            cwd=Path(__file__).resolve().parent.parent, env=env)
+                            cwd=Path(__file__).resolve().parent.parent, env=env,
+                            # as from a terminal: a test run started in the background (`cmd &` in a script) ignores
+                            # SIGINT, the child would inherit that, and Python then installs no Ctrl-C handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     seen = ""
 
