@@ -33,7 +33,7 @@ from ..models.formats.ggml import Part
 from ..models.hf_config import config_from_hf
 from ..models.rotary import _rope
 from ..models.transformer import FINAL_HIDDEN
-from .layer import rms
+from .layer import quantize_linears, rms
 
 ARCH = "DFlashDraftModel"
 
@@ -198,11 +198,11 @@ def to_block_format(model: DFlashModel, fmt: str, blocks: dict[str, Part]) -> No
     tiles now, the file's blocks and those quantized here alike: a round multiplies the block's 16 rows, which the
     tiles' kernel does in about half the time of the rows' layout (the kernels repack a file's blocks only by
     default, since blocks held in memory stay beside their tiles)."""
-    for name, lin in list(model.named_modules()):
-        if not isinstance(lin, nn.Linear):
-            continue
+    own = {_own_name(hf): part for hf, part in blocks.items()}
+
+    def make(name: str, lin: nn.Linear) -> nn.Module:
         bias = None if lin.bias is None else lin.bias.detach()
-        part = next((p for hf, p in blocks.items() if _own_name(hf) == f"{name}.weight"), None)
+        part = own.get(f"{name}.weight")
         if part is not None:
             new = GGMLLinear([part], lin.in_features, bias)
         else:
@@ -211,8 +211,9 @@ def to_block_format(model: DFlashModel, fmt: str, blocks: dict[str, Part]) -> No
                 new = GGMLLinear(new.parts, new.in_features, new.bias, pack=True)
         if isinstance(new, GGMLLinear):
             new.tiles()
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new)
+        return new
+
+    quantize_linears(model, fmt, make)
 
 
 def load_dflash(folder: Path, target_cfg, raw: dict, tensors: dict[str, Tensor]) -> DFlashModel:

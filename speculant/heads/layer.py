@@ -100,10 +100,12 @@ def inference_format() -> str:
     return "q8_0" if ggml_available() else "float32"
 
 
-def quantize_linears(module: nn.Module, fmt: str) -> None:
-    """Replace every nn.Linear under `module` by a QLinear in `fmt` (inference only: no gradients)."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make_linear(child.weight.detach(), None if child.bias is None else child.bias.detach(), fmt))
-        else:
-            quantize_linears(child, fmt)
+def quantize_linears(module: nn.Module, fmt: str, make=None) -> None:
+    """Replace every nn.Linear under `module` by a QLinear in `fmt` (inference only: no gradients); where given,
+    `make(name, linear)` builds each one instead (name: the layer's path under `module`)."""
+    for name, child in list(module.named_modules(remove_duplicate=False)):
+        if name and isinstance(child, nn.Linear):
+            parent, _, attr = name.rpartition(".")
+            new = make(name, child) if make else \
+                make_linear(child.weight.detach(), None if child.bias is None else child.bias.detach(), fmt)
+            setattr(module.get_submodule(parent), attr, new)
