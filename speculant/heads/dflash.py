@@ -196,8 +196,8 @@ def to_block_format(model: DFlashModel, fmt: str, blocks: dict[str, Part]) -> No
     """Every linear of `model` in a block format: a GGUF file's own blocks where `blocks` (HF weight name -> the
     file's part) has them, else its float weights quantized to `fmt`. The GGML layers are repacked into 16-row
     tiles now, the file's blocks and those quantized here alike: a round multiplies the block's 16 rows, which the
-    tiles' kernel does in about half the time of the rows' layout (the kernels repack a file's blocks only by
-    default, since blocks held in memory stay beside their tiles)."""
+    tiles' kernel does faster than the rows' layout (docs/measurements.md, "The DFlash round"; the kernels repack
+    a file's blocks only by default, since blocks held in memory stay beside their tiles)."""
     own = {_own_name(hf): part for hf, part in blocks.items()}
 
     def make(name: str, lin: nn.Linear) -> nn.Module:
