@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,17 @@ def test_two_builds_never_share_a_cached_library():
     assert all(p.name.startswith(f"speculant-{name}-") for name, p in paths.items())
     for name in native.supported_isas():  # the loaded file is that build's entry
         assert Path(native.library(name)._name) == paths[name]
+
+
+def test_every_included_header_is_part_of_the_build_hash():
+    todo, included = list(native.SOURCES), set()
+    while todo:  # the sources' includes, and theirs
+        for h in re.findall(r'^#include "(\w+\.h)"', todo.pop().read_text(), re.MULTILINE):
+            if h not in included:
+                included.add(h)
+                todo.append(native.SOURCES[0].parent / h)
+    assert {"attention_cache.h", "attention_group.h", "simd.h"} <= included  # the scan reads the includes
+    assert included <= {h.name for h in native.HEADERS}, included - {h.name for h in native.HEADERS}
 
 
 def test_unknown_builds_are_refused_listing_the_choices(monkeypatch):
