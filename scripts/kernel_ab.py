@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository: tests/ has the random blocks
 from speculant.models import load_model, native  # noqa: E402
-from speculant.models.formats.ggml import GGMLLinear, Part  # noqa: E402
+from speculant.models.formats.ggml import GGMLLinear  # noqa: E402
+from speculant.models.formats.ggml_blocks import Part  # noqa: E402
 from speculant.models.fused import bind_tree_kernels  # noqa: E402
 from speculant.threads import configure_threads  # noqa: E402
 from tests.test_gguf_kernels import random_blocks  # noqa: E402

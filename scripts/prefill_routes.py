@@ -1,4 +1,4 @@
-"""Prompt prefill speed of each prefill route this CPU runs (models/formats/ggml.py: prefill_routes),
+"""Prompt prefill speed of each prefill route this CPU runs (models/formats/ggml_routes.py: prefill_routes),
 side by side: the routes take turns on every prompt length, so a noisy neighbour or a change of memory
 speed hits them alike. One forward of N tokens into an empty cache, logits of the last row only.
 
@@ -13,7 +13,7 @@ import time
 import torch
 
 from speculant.models import load_model, native
-from speculant.models.formats import ggml
+from speculant.models.formats import ggml_routes
 from speculant.threads import configure_threads
 
 ap = argparse.ArgumentParser()
@@ -32,11 +32,11 @@ def route(name: str | None) -> None:
         os.environ.pop("SPECULANT_PREFILL", None)
     else:
         os.environ["SPECULANT_PREFILL"] = name
-    ggml.prefill_routes.cache_clear()
+    ggml_routes.prefill_routes.cache_clear()
 
 
 route(None)
-routes = ggml.prefill_routes()
+routes = ggml_routes.prefill_routes()
 base = "gemm" if "gemm" in routes else routes[0]  # the ratios' reference
 print(f"kernels: {args.isa or native.supported_isas()[0]} build, threads {torch.get_num_threads()}, "
       f"routes here (default first): {', '.join(routes)}")

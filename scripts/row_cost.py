@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ has the random blocks
-from speculant.models.formats.ggml import GGMLLinear, Part  # noqa: E402
+from speculant.models.formats.ggml import GGMLLinear  # noqa: E402
+from speculant.models.formats.ggml_blocks import Part  # noqa: E402
 from tests.test_gguf_kernels import random_blocks  # noqa: E402
 
 ap = argparse.ArgumentParser()

@@ -3,7 +3,8 @@ passes, whole and split into the block-format matmuls and everything else (the t
 `speculant bench speed`'s own).
 
 Usage: .venv/bin/python scripts/step_timing.py MODEL   (e.g. qwen2.5-coder-1.5b-instruct)
-Set SPECULANT_PREFILL=rows (or bf16, gemm) to time prompts through that route (models/formats/ggml.py: prefill_routes).
+Set SPECULANT_PREFILL=rows (or bf16, gemm) to time prompts through that route (models/formats/ggml_routes.py:
+prefill_routes).
 Last, the whole forward is timed once per build of the kernels this CPU runs (native.ISAS, and the
 portable C build), in turns, so their ratio is measured side by side.
 """

@@ -14,10 +14,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from speculant.models import LoadedModel
+from speculant.models.block import Block
 from speculant.models.cache import kv_dtype as kv_dtype_of
 from speculant.models.config import ModelConfig
 from speculant.models.formats import make_linear
-from speculant.models.transformer import Block, Transformer
+from speculant.models.transformer import Transformer
 from speculant.text.tokenizer import Tokenizer
 
 # One torch (and kernel) thread per test process unless $SPECULANT_THREADS says otherwise. The tiny models'
@@ -115,17 +116,35 @@ def real_model_cache():
 
 
 @pytest.fixture
+def native_kernels_as(monkeypatch):
+    """use(lib): native_kernels() returns `lib` (None: the torch path) for the test, in every speculant module that
+    calls it (row_ops.py's per-row ops, block.py's attention, transformer.py's fused loop)."""
+    import sys
+
+    from speculant.models import row_ops
+
+    real = row_ops.native_kernels
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("speculant.") and vars(m).get("native_kernels") is real]
+
+    def use(lib) -> None:
+        for m in holders:
+            monkeypatch.setattr(m, "native_kernels", lambda: lib)
+    return use
+
+
+@pytest.fixture
 def prefill_route(monkeypatch):
     """Sets $SPECULANT_PREFILL (None: unset) for the test, prefill_routes() re-read; unset after."""
-    from speculant.models.formats import ggml
+    from speculant.models.formats import ggml_routes
 
     def use(value: str | None) -> tuple[str, ...]:
         if value is None:
             monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
         else:
             monkeypatch.setenv("SPECULANT_PREFILL", value)
-        ggml.prefill_routes.cache_clear()
-        return ggml.prefill_routes()
+        ggml_routes.prefill_routes.cache_clear()
+        return ggml_routes.prefill_routes()
     yield use
     monkeypatch.delenv("SPECULANT_PREFILL", raising=False)
-    ggml.prefill_routes.cache_clear()
+    ggml_routes.prefill_routes.cache_clear()

@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 
-import speculant.models.transformer as tr
 from speculant.cli import main
 from speculant.decoding.engine import Engine
 from speculant.errors import SpeculantError
@@ -16,6 +15,7 @@ from speculant.methods.heads import HeadsConfig, load_heads
 from speculant.methods.config import MethodConfig
 from speculant.methods.medusa import MedusaDrafter
 from speculant.models import LoadedModel, resolve_device
+from speculant.models.keys import tree_keys
 from speculant.exact.tree import DraftTree
 
 from conftest import tiny_model
@@ -70,7 +70,7 @@ def test_heads_follow_the_target_off_the_cpu(tmp_path):
 
 def test_tree_keys_are_the_slots_each_row_attends_to():
     tree = DraftTree(torch.arange(6), [-1, 0, -1, 1, 2, 3])
-    keys = tr.tree_keys(tree.ancestor_mask(), 5, torch.device("cpu"))
+    keys = tree_keys(tree.ancestor_mask(), 5, torch.device("cpu"))
     committed = list(range(5))
     # pass rows: 0 = pending (slot 5), node i at row 1 + i (slot 6 + i); each sees pending and its ancestors
     assert [k.tolist() for k in keys] == [committed + [5], committed + [5, 6], committed + [5, 6, 7],
@@ -78,8 +78,8 @@ def test_tree_keys_are_the_slots_each_row_attends_to():
                                           committed + [5, 6, 7, 9, 11]]
 
 
-def test_a_tree_pass_attends_alike_with_keys_read_once(monkeypatch):
-    monkeypatch.setattr(tr, "native_kernels", lambda: None)  # the torch path, which the keys feed off the CPU
+def test_a_tree_pass_attends_alike_with_keys_read_once(native_kernels_as):
+    native_kernels_as(None)  # the torch path, which the keys feed off the CPU
     model = tiny_model(40, seed=4, dim=64, heads=4, kv_heads=2, hidden=128, layers=2).model
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(64)
@@ -91,7 +91,7 @@ def test_a_tree_pass_attends_alike_with_keys_read_once(monkeypatch):
     x = torch.randn(8, 64, generator=g)
     blk = model.blocks[0]
     outs = []
-    for keys in (None, tr.tree_keys(mask, start, torch.device("cpu"))):
+    for keys in (None, tree_keys(mask, start, torch.device("cpu"))):
         c = model.new_cache(64)
         c.k.copy_(cache.k), c.v.copy_(cache.v)
         c.length = start

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import speculant.models.transformer as tr
 from speculant.models import native
 from speculant.models.build import build_transformer
 from speculant.models.cache import kv_dtype as kv_dtype_of
 from speculant.models.load_hf import HFSource
+from speculant.models.row_ops import geglu
 from speculant.models.transformer import FINAL_HIDDEN
 from tiny_archs import prompt, save_arch
 
@@ -67,7 +67,7 @@ def test_geglu_kernel_is_torchs_tanh_gelu_within_float32_rounding():
                       torch.tensor([[0.0, -0.0, 1e-30, -1e-30, 100.0, -100.0, 1e4, -1e4] * 8])])
     up = torch.randn(gate.shape, generator=g)
     h = torch.cat([gate, up], 1)
-    got = tr.geglu(h, 64)
+    got = geglu(h, 64)
     gelu = torch.nn.functional.gelu(gate.double(), approximate="tanh")
     err = (got.double() - gelu * up.double()).abs()
     # relative where gelu is not vanishing (torch's own float32 GELU, 1 + tanh, loses that below about -3),
@@ -76,5 +76,5 @@ def test_geglu_kernel_is_torchs_tanh_gelu_within_float32_rounding():
     assert float((err / (gelu * up.double()).abs().clamp_min(1e-30))[near].max()) < 3e-6
     assert float((err / (gate.double().abs().clamp_min(1) * up.double().abs())).max()) < 1e-6
     assert torch.equal(got[-1, :2], torch.zeros(2))  # gelu(0) * up is 0
-    rows = torch.cat([tr.geglu(h[i : i + 1], 64) for i in range(h.shape[0])])  # a row alone: the same bits
+    rows = torch.cat([geglu(h[i : i + 1], 64) for i in range(h.shape[0])])  # a row alone: the same bits
     assert torch.equal(rows, got)

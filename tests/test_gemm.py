@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType as T
 
 from speculant.errors import SpeculantError
 from speculant.models import native
-from speculant.models.formats import ggml
-from speculant.models.formats.ggml import GGMLLinear, Part
+from speculant.models.formats import ggml_routes
+from speculant.models.formats.ggml import GGMLLinear
+from speculant.models.formats.ggml_blocks import Part
 from tests.test_gguf_kernels import builds, dequant, q8_reference, random_blocks
 
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -104,7 +105,7 @@ def test_a_long_pass_takes_the_first_route_its_layer_allows(prefill_route, t):
     lin = GGMLLinear([Part(int(t), random_blocks(t, 64, K, seed=5))], K)
     x = torch.randn(40, K, generator=torch.Generator().manual_seed(3))
     ref = q8_reference(x, t) @ lin.dequantized().double().T
-    lead = next(r for r in route(None) if r in ggml.LINEAR_ROUTES)
+    lead = next(r for r in route(None) if r in ggml_routes.LINEAR_ROUTES)
     y = lin(x)
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < 2e-2
     if lead == "gemm" and lin._lib.gq_gemm_type(int(t)):

@@ -23,7 +23,7 @@ import torch
 
 from speculant.bench.speed import compare_logits, fidelity_logits, fidelity_text
 from speculant.models import load_model
-from speculant.models.formats.ggml import prefill_routes
+from speculant.models.formats.ggml_routes import prefill_routes
 
 pytestmark = pytest.mark.heavy  # collected first (tests/conftest.py)
 

@@ -1,6 +1,6 @@
 """The GGML block-format kernels (speculant/kernels/gq.c) against float64 references built with the
 `gguf` package's dequantizers, bit-identity across row counts and across every build this CPU runs,
-and the model built on them (models/formats/ggml.py)."""
+and the model built on them (models/formats/ggml*.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from gguf import quants
 
 from speculant.errors import SpeculantError
 from speculant.models import native
-from speculant.models.formats.ggml import PACKED_TYPES, GGMLEmbedding, GGMLLinear, Part, row_bytes
+from speculant.models.formats.ggml import GGMLEmbedding, GGMLLinear
+from speculant.models.formats.ggml_blocks import Part, row_bytes
+from speculant.models.formats.ggml_tiles import PACKED_TYPES
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 # byte offsets of each type's fp16 scale fields (d, and dmin / m where the type has one)
@@ -263,7 +265,7 @@ def test_bad_sizes_and_types_are_clear_errors():
         row_bytes(int(T.Q4_K), 100)
     with pytest.raises(SpeculantError, match="does not hold rows"):
         GGMLLinear([Part(int(T.Q8_0), np.zeros((2, 30), np.uint8))], 32)
-    from speculant.models.formats.ggml import check_type
+    from speculant.models.formats.ggml_blocks import check_type
 
     with pytest.raises(SpeculantError, match="blk.0.attn_q.weight is stored as IQ2_XXS"):
         check_type(int(T.IQ2_XXS), "blk.0.attn_q.weight")

@@ -30,7 +30,8 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, sys.argv[1])
 from tests.test_gguf_kernels import random_blocks
 from speculant.models import native
-from speculant.models.formats.ggml import GGMLLinear, Part
+from speculant.models.formats.ggml import GGMLLinear
+from speculant.models.formats.ggml_blocks import Part
 torch.set_num_threads(2)
 K = 512
 parts = [Part(int(t), random_blocks(t, n, K, seed=s))

@@ -24,7 +24,7 @@ from speculant.methods.config import MethodConfig
 from speculant.models import LoadedModel, native
 from speculant.models.build import build_transformer
 from speculant.models.formats import GGMLLinear
-from speculant.models.formats.ggml import quantize_k
+from speculant.models.formats.ggml_blocks import quantize_k
 from speculant.models.load_hf import HFSource
 from test_load_hf import save_tiny
 
@@ -138,7 +138,7 @@ def test_converted_model_runs_from_the_cache_file_like_a_gguf(tmp_path: Path, fm
     tiles on first use like a GGUF file's (the fast kernels). The
     logits are those of the same blocks held in memory (the unpacked kernels, which sum in another order:
     equal to float rounding), and the same bits on every load."""
-    from speculant.models.formats.ggml import _file_mapping
+    from speculant.models.formats.ggml_tiles import _file_mapping
 
     folder = save_tiny(tmp_path, "Qwen2ForCausalLM", torch.bfloat16, hidden_size=256, intermediate_size=320,
                        num_attention_heads=4, num_key_value_heads=2)

@@ -29,18 +29,17 @@ def test_k_tokens_in_one_pass_equal_one_by_one(fmt, arch):
 @pytest.mark.parametrize("arch,heads,kv_heads,dim,kv", [
     (*shape, kv) for shape in [("llama", 4, 2, 32), ("qwen2", 6, 2, 96), ("qwen2", 2, 2, 256)]
     for kv in ("f32", "f16", "q8_0") if kv != "q8_0" or shape[3] // shape[1] % 32 == 0])  # q8_0: heads of 32s
-def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_heads, dim, kv, monkeypatch):
-    from speculant.models import transformer
+def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_heads, dim, kv, native_kernels_as):
+    from speculant.models.row_ops import native_kernels
 
-    if transformer.native_kernels() is None:
+    if native_kernels() is None:
         pytest.skip("the native kernels cannot be built here: the torch path is the only one")
     m = tiny_model(64, arch=arch, heads=heads, kv_heads=kv_heads, dim=dim, fmt="q8_0", kv_dtype=kv).model
     prompt = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(3))  # a batched prefill
     new = torch.tensor([3, 8, 11, 4, 60, 1, 2])
 
     def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        fn = transformer.native_kernels.__wrapped__() if native else None
-        monkeypatch.setattr(transformer, "native_kernels", lambda: fn)
+        native_kernels_as(native_kernels.__wrapped__() if native else None)
         c = m.new_cache(64)
         m(prompt, c)
         batched = m(new, c).logits
@@ -70,21 +69,21 @@ def test_native_kernels_match_torch_and_are_batch_invariant(arch, heads, kv_head
 def test_native_rms_norm_and_swiglu_match_torch_row_by_row():
     import torch.nn.functional as F
 
-    from speculant.models import transformer
+    from speculant.models import row_ops
 
-    if transformer.native_kernels() is None:
+    if row_ops.native_kernels() is None:
         pytest.skip("the native kernels cannot be built here: the torch path is the only one")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 72, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0])[:, None]
     w = torch.randn(72, generator=g)
     h = torch.randn(5, 2 * 40, generator=g) * 6  # gates far into both tails of the sigmoid
     h[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
-    norm, act = transformer.rms_norm(x, w, 1e-6), transformer.swiglu(h, 40)
+    norm, act = row_ops.rms_norm(x, w, 1e-6), row_ops.swiglu(h, 40)
     torch.testing.assert_close(norm, F.rms_norm(x, (72,), w, 1e-6), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(act, F.silu(h[:, :40]) * h[:, 40:], atol=1e-6, rtol=1e-5)
     # each row alone gives the same bits as the row among others
-    assert torch.equal(torch.cat([transformer.rms_norm(x[i : i + 1], w, 1e-6) for i in range(5)]), norm)
-    assert torch.equal(torch.cat([transformer.swiglu(h[i : i + 1], 40) for i in range(5)]), act)
+    assert torch.equal(torch.cat([row_ops.rms_norm(x[i : i + 1], w, 1e-6) for i in range(5)]), norm)
+    assert torch.equal(torch.cat([row_ops.swiglu(h[i : i + 1], 40) for i in range(5)]), act)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])

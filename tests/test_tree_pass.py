@@ -9,8 +9,8 @@ scored one token at a time, on every path."""
 import pytest
 import torch
 
-import speculant.models.transformer as tr
 from speculant.models.cache import KVCache, kv_dtype as kv_dtype_of
+from speculant.models.row_ops import native_kernels
 from speculant.models.transformer import FINAL_HIDDEN
 from speculant.exact.tree import DraftTree
 
@@ -75,19 +75,19 @@ def heads(kv: str, dim: int = 64) -> dict:
 def test_tree_rows_equal_their_chains(fmt, kv, prompt_len):
     model = tiny_model(40, seed=3, heads=4, kv_heads=2, hidden=128, layers=3, fmt=fmt, kv_dtype=kv, **heads(kv)).model
     assert model.new_cache(8).k.dtype == kv_dtype_of(kv)
-    if fmt != "float32" and tr.native_kernels() is not None:
+    if fmt != "float32" and native_kernels() is not None:
         assert model.fused_blocks() is not None  # the fused C path is the one under test
     check_tree(model, prompt_len, 14, seed=prompt_len)
     check_tree(model, prompt_len, 31, seed=prompt_len + 1)  # the largest short pass
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
-def test_tree_rows_without_the_fused_loop_and_without_c(monkeypatch, kv):
+def test_tree_rows_without_the_fused_loop_and_without_c(native_kernels_as, kv):
     model = tiny_model(40, seed=4, heads=4, kv_heads=1, hidden=128, layers=2, fmt="q8_0", kv_dtype=kv,
                        **heads(kv)).model
     model._fused = False  # the per-layer path: attn_rows_masked in C, linears per layer
     check_tree(model, 11, 12, seed=0, taps=(1, FINAL_HIDDEN))
-    monkeypatch.setattr(tr, "native_kernels", lambda: None)  # torch only (no compiler / not x86)
+    native_kernels_as(None)  # torch only (no compiler / not x86)
     model = tiny_model(40, seed=4, heads=4, kv_heads=1, hidden=128, layers=2, kv_dtype=kv, **heads(kv)).model
     check_tree(model, 11, 12, seed=1)
 

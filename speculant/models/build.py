@@ -33,8 +33,10 @@ from .config import ModelConfig
 from . import native
 from .formats import (CALIBRATED, GGML_TYPES, HEAD_FORMAT, KQUANT_FORMATS, GGMLEmbedding, GGMLLinear, QLinear,
                       linear_from_state, make_linear)
+from .block import Block
 from .calibration import calibrate_layer
-from .transformer import Block, Transformer, rope_tables
+from .rotary import rope_tables
+from .transformer import Transformer
 
 _CACHE_VERSION = "3"
 _LINEARS = ("qkv", "o", "gate_up", "down")
@@ -78,7 +80,7 @@ def _float_layer(src: WeightSource, i: int) -> dict[str, Tensor]:
 
 
 def extra_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The canonical names of a layer's norms beyond attn_norm / ffn_norm (transformer.Block's `extra`)."""
+    """The canonical names of a layer's norms beyond attn_norm / ffn_norm (block.Block's `extra`)."""
     return (("q_norm", "k_norm") if cfg.qk_norm else ()) + (("post_attn_norm", "post_ffn_norm") if cfg.post_norms else ())
 
 

@@ -65,7 +65,7 @@ def rot_size(hd: int) -> int:
 
 def hadamard(x: Tensor) -> Tensor:
     """x [..., hd] times the unnormalised Walsh-Hadamard matrix (entries +-1; H H = n I) on each block of
-    n = rot_size(hd) values, butterflies in attention.c's order (so the same bits). A q8_0 cache stores its rows
+    n = rot_size(hd) values, butterflies in attention_cache.h's order (so the same bits). A q8_0 cache stores its rows
     rotated, as llama.cpp's quantized caches do: a channel far larger than its row's others (the 1.5B's layer-0
     keys reach ~300 beside values near 1) is spread over the block instead of setting a scale that drowns the
     rest (`scripts/kv_fidelity.py`: rotated, the 1.5B's mean KL to float32 with a q8_0 cache is about 2/3 of the
@@ -93,7 +93,7 @@ def q8_0_values(r: Tensor) -> Tensor:
 def q8_0_blocks(x: Tensor) -> Tensor:
     """x [..., hd] (hd a multiple of 32) as q8_0 blocks [..., hd / 32 * 34] int8: per 32 values d = amax / 127 as
     fp16, then q = round(x * (1 / d)) (0 where d is 0), as ggml's quantize_row_q8_0_ref but rounding halves to
-    even. attention.c's store_row makes the same bytes (tests/test_attention_kernel.py)."""
+    even. attention_cache.h's store_row makes the same bytes (tests/test_attention_kernel.py)."""
     lead, hd = x.shape[:-1], x.shape[-1]
     b = x.float().reshape(*lead, hd // Q8_BLOCK, Q8_BLOCK)
     d = b.abs().amax(-1, keepdim=True) / torch.full((), 127.0)
@@ -129,7 +129,7 @@ class KVCache:
 
     @property
     def c_type(self) -> int:
-        """The C kernels' cache type (attention.c's KV_F32, KV_F16, KV_Q8): its place in KV_DTYPES."""
+        """The C kernels' cache type (attention_cache.h's KV_F32, KV_F16, KV_Q8): its place in KV_DTYPES."""
         return list(KV_DTYPES.values()).index(self.k.dtype)
 
     def reserve(self, s: int) -> tuple[int, int]:

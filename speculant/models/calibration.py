@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .cache import KVCache
 from .config import ModelConfig
 from .formats.base import FloatLinear
-from .transformer import Block
+from .block import Block
 
 CALIBRATION_TEXT = """<|im_start|>system
 You are a helpful assistant.<|im_end|>

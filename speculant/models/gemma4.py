@@ -24,7 +24,8 @@ from .formats.base import QLinear
 from .gemma4_config import Gemma4Config
 from .keys import pass_layout, tree_keys, window_keys
 from .rotary import _rope, tables
-from .transformer import Output, Transformer, geglu, rms_norm
+from .row_ops import geglu, rms_norm
+from .transformer import Output, Transformer
 
 
 def _param(t: Tensor) -> nn.Parameter:

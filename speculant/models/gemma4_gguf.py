@@ -191,8 +191,8 @@ class Gemma4GGUFSource:
         return torch.from_numpy(self.file.dequantize(self.tensors[gguf_name(name)]))
 
     def part(self, name: str):
-        """A matrix's raw blocks (formats.ggml.Part), rows = output features, memory-mapped."""
-        from .formats.ggml import Part, check_type, row_bytes
+        """A matrix's raw blocks (formats.ggml_blocks.Part), rows = output features, memory-mapped."""
+        from .formats.ggml_blocks import Part, check_type, row_bytes
 
         t = self.tensors[gguf_name(name)]
         qtype = check_type(int(t.tensor_type), t.name)

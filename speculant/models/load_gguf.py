@@ -163,9 +163,9 @@ class GGUFSource:
         return w
 
     def part(self, name: str):
-        """The raw blocks of a 2-D tensor by canonical name, memory-mapped: a formats.ggml.Part whose rows
+        """The raw blocks of a 2-D tensor by canonical name, memory-mapped: a formats.ggml_blocks.Part whose rows
         are the output features (llama q/k rows carry the permutation that `get` applies)."""
-        from .formats.ggml import Part, check_type, row_bytes
+        from .formats.ggml_blocks import Part, check_type, row_bytes
 
         gname = self._gguf_name(name)
         t = self.tensors.get(gname)

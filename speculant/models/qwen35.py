@@ -15,7 +15,7 @@ rule, the gated norm) is one C call, and so is a short pass's gated attention (n
 row-wise attention, output gate): kernels/delta.c, row by row with the same instructions for any S. That saves
 some 40 torch dispatches a layer; its bits are close to, not equal to, the torch ops below, which serve elsewhere.
 
-Norm weights arrive with the 1 already added (the loader's job), so every RMSNorm is transformer.rms_norm.
+Norm weights arrive with the 1 already added (the loader's job), so every RMSNorm is row_ops.rms_norm.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from .delta_rule import MAX_V, deltanet_layer, delta_rule, layer_kernels
 from .qwen35_config import Qwen35Config
 from .recurrent_cache import HybridCache
 from .rotary import tables
-from .transformer import FINAL_HIDDEN, ROW_WISE_MAX, FloatEmbedding, Output, rms_norm, swiglu
+from .row_ops import rms_norm, swiglu
+from .transformer import FINAL_HIDDEN, ROW_WISE_MAX, FloatEmbedding, Output
 
 
 def _param(t: Tensor) -> nn.Parameter:

@@ -251,7 +251,7 @@ class Qwen35GGUFSource:
         return self.get(prefix + "neg_A")
 
     def _part(self, name: str):
-        from .formats.ggml import Part, check_type, row_bytes
+        from .formats.ggml_blocks import Part, check_type, row_bytes
 
         t = self._tensor(name)
         qtype = check_type(int(t.tensor_type), t.name)

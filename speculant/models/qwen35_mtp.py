@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from .cache import KVCache
 from .formats.base import QLinear
 from .qwen35 import Qwen35Block, Qwen35Model
-from .transformer import rms_norm
+from .row_ops import rms_norm
 
 
 class MTPLayer(nn.Module):

@@ -15,7 +15,9 @@ never imports a concrete format: it only calls `QLinear.forward(x[M, K]) -> [M, 
 from __future__ import annotations
 
 from .base import FloatLinear, QLinear, SHORT_PASS_MAX
-from .ggml import GGML_TYPES, GGMLEmbedding, GGMLLinear, ggml_available
+from .ggml import GGMLEmbedding, GGMLLinear
+from .ggml_blocks import GGML_TYPES
+from .ggml_routes import ggml_available
 
 __all__ = ["FORMATS", "FloatLinear", "GGMLEmbedding", "GGMLLinear", "GGML_TYPES", "QLinear", "SHORT_PASS_MAX",
            "HEAD_FORMAT", "KQUANT_FORMATS", "WEIGHT_FORMATS", "ggml_available", "linear_from_state", "make_linear"]

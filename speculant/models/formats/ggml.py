@@ -6,12 +6,13 @@ q/k/v (say Q4_K, Q4_K and Q6_K) are still one call. A part may carry a row permu
 store q/k rows interleaved for llama.cpp's rotary layout; row r goes to output column perm[r]).
 
 K-quant (Q2_K .. Q6_K) and 32-block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) parts memory-mapped from a file are repacked into
-16-row tiles with one output per lane (`packed_part`, gq_packed.h, gq_packed2.h, gq_packed32.h), which every pass reads;
-the file's pages under them are released. A layer repacks on its first use (`GGMLLinear.tiles`): the blocks
-at load (load_model builds the fused block loop), an output layer in its first pass with logits.
+16-row tiles with one output per lane (ggml_tiles.py: `packed_part`; gq_packed.h, gq_packed2.h, gq_packed32.h),
+which every pass reads; the file's pages under them are released. A layer repacks on its first use
+(`GGMLLinear.tiles`): the blocks at load (load_model builds the fused block loop), an output layer in its first pass
+with logits.
 Passes of up to SHORT_PASS_MAX rows run the integer kernel, whose rows are batch-invariant (gq.c).
-Prompts take the best of `prefill_routes()`: on x86 builds without AMX, passes of SHORT_PASS_MAX rows
-through the fused block loop (Transformer.forward; the short passes' kernel), so a layer sees no longer pass;
+Prompts take the best of `prefill_routes()` (ggml_routes.py): on x86 builds without AMX, passes of SHORT_PASS_MAX
+rows through the fused block loop (Transformer.forward; the short passes' kernel), so a layer sees no longer pass;
 otherwise, and for a layer called with more rows (an output layer scoring a whole prompt), the block types
 an integer GEMM with an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with
 AMX, weights dequantized a chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes'
@@ -21,10 +22,6 @@ kernel.
 from __future__ import annotations
 
 import ctypes
-import functools
-import mmap
-import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,16 +31,11 @@ from torch import Tensor, nn
 from ...errors import SpeculantError
 from .. import native
 from .base import QLinear, SHORT_PASS_MAX
+from .ggml_blocks import GGML_TYPES, K_FALLBACK, Part, quantize_k, row_bytes
+from .ggml_routes import LINEAR_ROUTES, prefill_routes
+from .ggml_tiles import PACKED_TYPES as PACKED_TYPES  # re-exported: heads/ import it from here
+from .ggml_tiles import packed_part
 
-# --dtype names that quantize float weights into a GGML type on load: the K-quants by kernels/kquant.c
-# (llama.cpp's reference algorithms), the others by the gguf package's reference quantizers
-GGML_TYPES: dict[str, GGMLQuantizationType] = {
-    "q6_k": GGMLQuantizationType.Q6_K, "q4_k": GGMLQuantizationType.Q4_K, "q8_0": GGMLQuantizationType.Q8_0, "q5_1": GGMLQuantizationType.Q5_1, "q5_0": GGMLQuantizationType.Q5_0,
-    "q4_1": GGMLQuantizationType.Q4_1, "q4_0": GGMLQuantizationType.Q4_0, "bf16": GGMLQuantizationType.BF16,
-    "f16": GGMLQuantizationType.F16,
-}
-# what llama.cpp's quantizer uses for a tensor whose rows are not whole 256-value K-quant blocks
-K_FALLBACK = {GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0}
 # prefill: dequantize at most this many bytes of bf16 weights at a time (4 MB keeps the chunk in cache and the
 # buffer small, and was as fast as any size tried: `SPECULANT_PREFILL=bf16 scripts/step_timing.py`;
 # docs/measurements.md "Kernel choices")
@@ -53,139 +45,6 @@ _CHUNK_BYTES = 4 << 20
 class _Part(ctypes.Structure):  # gq_part in gq.c
     _fields_ = [("type", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", ctypes.c_void_p), ("n", ctypes.c_int64),
                 ("row_bytes", ctypes.c_int64), ("perm", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
-
-
-_PACK_ROWS = 4096  # rows repacked per step (a multiple of 16)
-# the types repacked into 16-row tiles (gq_packed.h, gq_packed2.h, gq_packed32.h), where whole tiles fit (gq_packable)
-PACKED_TYPES = (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-                GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
-                GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
-                GGMLQuantizationType.Q8_0)
-
-
-def packed_part(lib: ctypes.CDLL, p: Part, k: int, pack: bool | None = None) -> np.ndarray | None:
-    """The part's rows repacked 16 at a time (one output per lane, read by every pass), for parts of
-    PACKED_TYPES that make whole tiles (gq_packable: 16-row multiples; K a multiple of 256 for the K-quants,
-    of 64 for the 32-blocks); None for the others, which the kernels read as the file stores them.
-    pack=None repacks only parts memory-mapped from a file, whose pages are then released: blocks held in
-    memory (an HF folder quantized on load) would stay beside their tiles, doubling their memory."""
-    if pack is False or not ggml_available() or not lib.gq_packable(p.qtype, p.rows, k):
-        return None
-    if pack is None and _file_mapping(p.data) is None:
-        return None
-    # An anonymous mapping: page-aligned, and without the transparent huge pages numpy asks for on large
-    # arrays, which made this stream slower (`scripts/linear_timing.py`; docs/measurements.md "Kernel choices")
-    out = np.frombuffer(mmap.mmap(-1, lib.gq_packed_bytes(p.qtype, p.rows, k)), dtype=np.uint8)
-    # A chunk of rows at a time, each chunk's file pages released before the next: the file's pages and the
-    # tiles of a large tensor (the 1.5B's 191 MB output layer) are never resident together
-    for r0 in range(0, p.rows, _PACK_ROWS):
-        rows = p.data[r0:r0 + _PACK_ROWS]
-        if lib.gq_pack(p.qtype, rows.ctypes.data, rows.shape[0], p.data.shape[1], k,
-                       out.ctypes.data + lib.gq_packed_bytes(p.qtype, r0, k), torch.get_num_threads()):
-            raise SpeculantError(f"repacking a {GGMLQuantizationType(p.qtype).name} tensor of {p.rows} rows of {k} "
-                                 f"values failed")
-        _release_file_pages(rows)
-    _release_file_pages(p.data)  # the pages straddling two chunks
-    return out
-
-
-def _release_file_pages(a: np.ndarray) -> None:
-    """Drops a memory-mapped file's pages under `a` from this process's resident set (the passes read the
-    repacked copy; a later read of `a` faults them back in from the page cache). Arrays not backed by a
-    file mapping are left alone: MADV_DONTNEED would zero anonymous memory."""
-    if _file_mapping(a) is None or not hasattr(mmap, "MADV_DONTNEED") or not a.flags.c_contiguous:
-        return
-    page = mmap.PAGESIZE
-    start = -(-a.ctypes.data // page) * page
-    end = (a.ctypes.data + a.nbytes) // page * page
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
-
-
-def _file_mapping(a: np.ndarray) -> np.memmap | None:
-    """The file mapping under `a` (a view of a numpy memmap, as the GGUF reader's tensors are), or None."""
-    base = a
-    while base is not None and not isinstance(base, np.memmap):
-        base = getattr(base, "base", None)
-    return base
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def ggml_available() -> bool:
-    """Whether the block-format kernels run here (a C compiler; any CPU)."""
-    try:
-        native.gq_library()
-    except SpeculantError:
-        return False
-    return True
-
-
-PREFILL_ROUTES = ("fused", "gemm", "bf16", "rows")
-LINEAR_ROUTES = PREFILL_ROUTES[1:]  # the routes of one layer's long pass ("fused" is the whole model's)
-
-
-@functools.cache
-def prefill_routes() -> tuple[str, ...]:
-    """How prompts may multiply GGML weights on this CPU, best first.
-
-    "fused": the prompt as passes of SHORT_PASS_MAX rows through the fused block loop (blocks.c, x86 builds;
-    Transformer.forward chunks it), the short passes' kernel and row-wise attention: faster than gq_gemm for
-    short and long prompts alike on the x86 builds (scripts/prefill_routes.py; docs/measurements.md "Prefill
-    routes").
-    "gemm": gq_gemm (gq_gemm.h; the x86 builds, the block types gq_gemm_type accepts), the blocks as they are,
-    one output per lane, for longer passes of one layer. "bf16": weights dequantized a chunk at a time into
-    bf16 and multiplied by oneDNN (AVX512-BF16, or AMX, which outruns any int8 kernel here: there it comes
-    first). "rows": gq_matmul, as short passes.
-    $SPECULANT_PREFILL puts one first (int8 = rows, its old name) where this CPU runs it."""
-    flags = native.cpu_flags()
-    x86 = ggml_available() and native.gq_library().gq_isa() >= 1
-    ok = {"fused": x86, "gemm": x86,
-          "bf16": native.bf16_native(flags), "rows": True}
-    order = ["bf16", "fused", "gemm", "rows"] if "amx_bf16" in flags else ["fused", "gemm", "bf16", "rows"]
-    want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
-    if want and want not in ok:
-        raise SpeculantError(f"SPECULANT_PREFILL must be one of {', '.join(PREFILL_ROUTES)}; got {want!r}")
-    if want:
-        order.remove(want)
-        order.insert(0, want)
-    return tuple(r for r in order if ok[r])
-
-
-def check_type(qtype: int, name: str) -> GGMLQuantizationType:
-    """The tensor's type if the kernels multiply it, else a clear error naming the tensor."""
-    lib = native.gq_library()
-    try:
-        t = GGMLQuantizationType(qtype)
-    except ValueError:
-        raise SpeculantError(f"tensor {name} has unknown GGML type id {qtype}") from None
-    if not lib.gq_supported(int(t)):
-        ok = ", ".join(sorted(t.name for t in GGMLQuantizationType if lib.gq_supported(int(t))))
-        raise SpeculantError(f"tensor {name} is stored as {t.name}, which speculant's kernels do not multiply "
-                             f"(supported: {ok}); use --dtype float32 to dequantize the file instead")
-    return t
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    qtype: int
-    data: np.ndarray  # [rows, row_bytes] uint8, C-contiguous (may be a read-only memory map)
-    perm: np.ndarray | None = None  # [rows] int32: row r -> output column perm[r] within the part
-
-    @property
-    def rows(self) -> int:
-        return self.data.shape[0]
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    if k % block:
-        raise SpeculantError(f"a row of {k} values is not a whole number of {GGMLQuantizationType(qtype).name} "
-                             f"blocks ({block} values each)")
-    return k // block * size
 
 
 class GGMLLinear(QLinear):
@@ -369,17 +228,6 @@ class GGMLLinear(QLinear):
         return cls([Part(int(qtype), np.ascontiguousarray(data).view(np.uint8))], weight.shape[1], bias)
 
 
-def quantize_k(lib: ctypes.CDLL, w: np.ndarray, qtype: GGMLQuantizationType, threads: int | None = None) -> np.ndarray:
-    """w[N, K] float32 -> [N, row bytes] uint8 in Q4_K or Q6_K (kernels/kquant.c)."""
-    n, k = w.shape
-    out = np.empty((n, row_bytes(int(qtype), k)), dtype=np.uint8)
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    rc = lib.gq_quantize_k(int(qtype), w.ctypes.data, n, k, out.ctypes.data, threads or torch.get_num_threads())
-    if rc == -5:
-        raise SpeculantError(f"cannot quantize a {tuple(w.shape)} weight to {qtype.name}: it holds NaN or infinite values")
-    if rc:
-        raise SpeculantError(f"cannot quantize a {tuple(w.shape)} weight to {qtype.name} (error {rc})")
-    return out
 
 
 _ERRORS = {
