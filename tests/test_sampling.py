@@ -134,6 +134,20 @@ def test_candidates_equal_the_full_sort(V, scale, grid):
         _assert_same(truncated(x, T, k, p, m), reference_truncate(x, T, k, p, m), (T, k, p, m))
 
 
+def test_rows_with_few_certain_tokens_beside_a_tied_row_keep_real_distinct_ids():
+    """A row whose first half ties (many blocks share their maximum, so the pool holds many certain tokens) beside
+    rows with few: those rows fill their K entries with other ids of their pool, never with the last partial
+    block's padding past V (which once indexed past the vocabulary: "index 5000 is out of bounds")."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(3, 5000, generator=g) * 3
+        x[:, :2500] = x[:, :1]
+        for T, k, p, m in [(0.8, 0, 0.8, 0.0), (0.8, 3, 0.9, 0.0), (0.8, 2, 1.0, 0.0), (0.8, 3, 0.7, 0.05)]:
+            d = truncated(x, T, k, p, m)
+            assert bool((d.ids < 5000).all()) and all(len(set(r)) == len(r) for r in d.ids.tolist())
+            _assert_same(d, reference_truncate(x, T, k, p, m), (T, k, p, m))
+
+
 @pytest.mark.parametrize("T, k, p, m", [(0.7, 0, 0.9, 0.0), (0.7, 40, 0.95, 0.05), (1.0, 0, 0.999, 0.0),
                                         (5.0, 0, 0.9, 0.0), (0.7, 0, 1.0, 0.1), (1.0, 2000, 1.0, 0.0)])
 def test_candidates_equal_the_full_sort_on_a_real_sized_vocabulary(T, k, p, m):

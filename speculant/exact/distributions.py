@@ -113,73 +113,95 @@ def truncated(logits: Tensor, temperature: float, top_k: int = 0, top_p: float =
         bmax = x[:, : n_full * BLOCK].view(R, n_full, BLOCK).amax(-1)
         if V % BLOCK:
             bmax = torch.cat([bmax, x[:, n_full * BLOCK :].amax(-1, keepdim=True)], 1)
-    while True:
+    while j < nb:
         out = _cut(x, e, top, total, bmax, nb, j, top_k, top_p, min_p)
         if out is not None:
             return out
         j = min(nb, 8 * j)
+    return _whole(x, e, total, top_k, top_p, min_p)
 
 
-def _cut(x: Tensor, e: Tensor, top: Tensor, total: Tensor | None, bmax: Tensor | None, nb: int, j: int, top_k: int,
+def _cut(x: Tensor, e: Tensor, top: Tensor, total: Tensor | None, bmax: Tensor, nb: int, j: int, top_k: int,
          top_p: float, min_p: float) -> Dist | None:
-    """The truncated distribution from the pool of the j best of nb blocks (maxima bmax), or None if the pool is
+    """The truncated distribution from the pool of the j < nb best blocks (maxima bmax), or None if the pool is
     too small."""
     R, V = x.shape
     dev = x.device
-    if j < nb:
-        best = bmax.topk(j + 1, -1)  # [R, j+1]
-        tau = best.values[:, j:]  # [R, 1]: the largest block maximum outside the pool
-        blocks = best.indices[:, :j].sort(-1).values  # ascending, so the pool's ids ascend
-        ids = (blocks[..., None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten(1)  # [R, j*BLOCK]
-        vals = x.gather(1, ids.clamp_max(V - 1)).masked_fill_(ids >= V, float("-inf"))
-        certain = vals > tau  # all tokens above tau, wherever they are
-        n_certain = certain.sum(-1)  # [R]
-        K = int(n_certain.max())
-        if K == 0:  # every block maximum ties with tau
-            return None
-        pos = vals.masked_fill(~certain, float("-inf")).topk(K, -1).indices.sort(-1).values  # [R, K], ascending ids
-        v = vals.gather(1, pos)
-        c = certain.gather(1, pos)
-        # by logit, then by id: stable sort of ascending ids
-        order = v.masked_fill(~c, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-        v, c, cid = v.gather(1, order), c.gather(1, order), ids.gather(1, pos).gather(1, order)  # [R, K]
-    else:  # the pool is the whole vocabulary: one stable sort orders it by logit, then by id
-        tau = x.new_full((R, 1), float("-inf"))
-        v, cid = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
-        c = v > tau
-        n_certain, K = None, V
-    whole = j >= nb  # nothing lies outside the pool: every cut is final
+    best = bmax.topk(j + 1, -1)  # [R, j+1]
+    tau = best.values[:, j:]  # [R, 1]: the largest block maximum outside the pool
+    blocks = best.indices[:, :j].sort(-1).values  # ascending, so the pool's ids ascend
+    ids = (blocks[..., None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten(1)  # [R, j*BLOCK]
+    vals = x.gather(1, ids.clamp_max(V - 1)).masked_fill_(ids >= V, float("-inf"))
+    certain = vals > tau  # all tokens above tau, wherever they are
+    n_certain = certain.sum(-1)  # [R]
+    K = int(n_certain.max())
+    if K == 0:  # every block maximum ties with tau
+        return None
+    # each row's K entries: its certain tokens, then (in a row with fewer than K) other real ids of its pool, so
+    # that the ids stay distinct; the last block's padding past V only if the pool has no other, then the pool grows
+    rank = certain.float() + (ids < V)
+    pos = rank.topk(K, -1).indices.sort(-1).values  # [R, K], ascending ids
+    v = vals.gather(1, pos)
+    c = certain.gather(1, pos)
+    # by logit, then by id: stable sort of ascending ids
+    order = v.masked_fill(~c, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+    v, c, cid = v.gather(1, order), c.gather(1, order), ids.gather(1, pos).gather(1, order)  # [R, K]
+    real = cid < V
+    cid = cid.clamp_max(V - 1)
     ec = e.gather(1, cid) * c  # [R, K], 0 past the certain tokens
     keep = c.clone()
     # a row is settled once its cut provably falls inside its certain tokens; the first sorted token
     # must be certain (it is the row's top unless tied with tau)
-    ok = c[:, 0].clone()
-    settled = None if whole else torch.zeros(R, dtype=torch.bool, device=dev)
+    ok = c[:, 0] & real.all(-1)
+    settled = torch.zeros(R, dtype=torch.bool, device=dev)
     if top_k:
         kth = v[:, min(top_k, K) - 1 :][:, :1]  # -inf in rows without k certain tokens (then incomplete)
         keep &= v >= kth
-        if not whole:
-            complete = n_certain >= top_k  # top-k's set (ties included) lies inside the certain tokens
-            settled |= complete
-            ok &= complete
+        complete = n_certain >= top_k  # top-k's set (ties included) lies inside the certain tokens
+        settled |= complete
+        ok &= complete
     if top_p < 1.0:
-        w = ec * keep
-        p = w.double() / (w.sum(-1, keepdim=True, dtype=torch.float64) if top_k else total)  # [R, K]
-        mass = p.cumsum(-1)
-        cut = (mass - p) >= top_p  # the tokens ahead of it already reach top_p
-        cut[:, 0] = False
-        keep &= ~cut
-        if not whole:
-            settled |= mass[:, -1] >= top_p + MASS_MARGIN
+        mass = _top_p(ec * keep, total if not top_k else None, top_p, keep)
+        settled |= mass[:, -1] >= top_p + MASS_MARGIN
     if min_p > 0.0:
         keep &= ec >= min_p
-        if not whole:
-            settled |= (tau - top).exp()[:, 0] < min_p * (1.0 - MIN_P_MARGIN)
-    if not whole:
-        ok &= settled
+        settled |= (tau - top).exp()[:, 0] < min_p * (1.0 - MIN_P_MARGIN)
+    ok &= settled
     width = keep.sum(-1).amax()
     good, width = torch.stack([ok.all().to(width.dtype), width]).tolist()  # the one host sync
     if not good:
         return None
-    w = (ec * keep)[:, :width]  # kept tokens are a prefix of each row
+    return _kept(ec, keep, cid, width, V)
+
+
+def _whole(x: Tensor, e: Tensor, total: Tensor | None, top_k: int, top_p: float, min_p: float) -> Dist:
+    """The truncated distribution when the pool is the whole vocabulary: one stable sort orders it by logit, then
+    by id, nothing lies outside, so every cut is final (the same cuts as `_cut` makes, without its bookkeeping)."""
+    V = x.shape[1]
+    v, cid = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    keep = v > float("-inf")  # a token of logit -inf is never a candidate
+    ec = e.gather(1, cid) * keep
+    if top_k:
+        keep &= v >= v[:, top_k - 1 : top_k]
+    if top_p < 1.0:
+        _top_p(ec * keep, total if not top_k else None, top_p, keep)
+    if min_p > 0.0:
+        keep &= ec >= min_p
+    return _kept(ec, keep, cid, int(keep.sum(-1).amax()), V)  # the one host sync
+
+
+def _top_p(w: Tensor, total: Tensor | None, top_p: float, keep: Tensor) -> Tensor:
+    """Clears in `keep` the tokens past the top-p cut of the sorted unnormalized probabilities w [R, K] (weighed
+    against `total`, or against their own sum when None); returns the cumulative mass [R, K]."""
+    p = w.double() / (w.sum(-1, keepdim=True, dtype=torch.float64) if total is None else total)  # [R, K]
+    mass = p.cumsum(-1)
+    cut = (mass - p) >= top_p  # the tokens ahead of it already reach top_p
+    cut[:, 0] = False
+    keep &= ~cut
+    return mass
+
+
+def _kept(ec: Tensor, keep: Tensor, cid: Tensor, width: int, V: int) -> Dist:
+    """The kept tokens (a prefix of each sorted row, `width` the widest) renormalized."""
+    w = (ec * keep)[:, :width]
     return Dist(cid[:, :width], w / w.sum(-1, keepdim=True), V)
