@@ -142,3 +142,91 @@ def test_training_makes_a_drafter_in_z_labs_layout(pair):
     raw = json.loads((folder / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["dflash_config"]["target_layer_ids"] == [1, 2, 3]
     assert head_method(folder) == "dflash" and _method(folder).name == "dflash"
+
+
+def _rounds(target, drafter: Path, ids: list[int], fmt: str | None = "float32"):
+    """speculant's greedy run of N tokens after `ids`: (tokens, drafted chains, accepted count per round)."""
+    chains, counts = [], []
+    propose, record = DFlashDrafter.propose, Stats.record_round
+
+    def spy_propose(self, pending, k):
+        draft = propose(self, pending, k)
+        chains.append(draft.tokens.tolist())
+        return draft
+
+    def spy_record(self, drafted, accepted):
+        counts.append(accepted)
+        return record(self, drafted, accepted)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DFlashDrafter, "propose", spy_propose)
+        mp.setattr(Stats, "record_round", spy_record)
+        done = Engine(target, method=_method(drafter, fmt)).generate(ids, GenerationConfig(max_new_tokens=N, ignore_eos=True))
+    return done.token_ids, chains, counts
+
+
+def _whole(chains: list[list[int]], counts: list[int]) -> list[int]:
+    """The accepted counts of the rounds that drafted a whole block (the last may be cut by max_new_tokens)."""
+    return [n for c, n in zip(chains, counts) if len(c) == BLOCK - 1]
+
+
+def test_accepted_lengths_equal_the_reference_loop(pair):
+    """Greedy output equals `ar`; every round's accepted drafts equal those of z-lab's dflash_generate loop
+    (tests/dflash_ref.py, HF's Qwen3 as the target, everything recomputed from scratch each round)."""
+    from transformers import AutoModelForCausalLM
+
+    target = pair["loaded"]
+    hf = AutoModelForCausalLM.from_pretrained(str(pair["target"]), dtype=torch.float32).eval()
+    ref = ReferenceDFlash(pair["drafter"])
+    ours_all, ref_all = [], []
+    for prompt in PROMPTS:
+        ids = target.tokenizer.encode(prompt)
+        ar = Engine(target).generate(ids, GenerationConfig(max_new_tokens=N, ignore_eos=True)).token_ids
+        tokens, chains, counts = _rounds(target, pair["drafter"], ids)
+        assert tokens == ar, prompt
+        ref_tokens, ref_counts = greedy_rounds(ref, hf, ids, N, BLOCK)
+        assert ref_tokens[:N] == ar, prompt
+        ours = _whole(chains, counts)
+        print(f"{prompt!r}: accepted per round {ours}, reference {ref_counts[:len(ours)]}")
+        assert ours == ref_counts[: len(ours)], prompt
+        ours_all += ours
+        ref_all += ref_counts[: len(ours)]
+    mean = sum(ours_all) / len(ours_all)
+    print(f"mean accepted drafts per round {mean:.2f} (reference {sum(ref_all) / len(ref_all):.2f}) in "
+          f"{len(ours_all)} rounds: {mean + 1:.2f} tokens per target pass")
+    assert mean > 1.0  # drafts often accepted: more than one per round beside the target's own token
+
+
+def test_accepted_lengths_equal_llama_cpp(pair):
+    """llama-speculative-simple --spec-type draft-dflash on the converted GGUFs (F32, every KV cache f32) accepts, round
+    by round, what speculant accepts on the target GGUF with the drafter GGUF: the same drafts and the same counts.
+    As in test_dflash_gguf, llama.cpp gets the prompt with speculant's first token appended, so both draft their first
+    block from the same state."""
+    from llama_cpp_ref import convert_all, equal_rounds, greedy_tokens, llama_cpp_bin, speculative_rounds
+
+    bin_dir = llama_cpp_bin()
+    root = pair["root"]
+    target_gguf, drafter_gguf = convert_all([
+        (pair["target"], root / "target.gguf", ["--outtype", "f32"]),
+        (pair["drafter"], root / "dflash.gguf", ["--outtype", "f32", "--target-model-dir", pair["target"]])])
+    target = load_model(str(target_gguf), None, progress=False, use_cache=False, kv_dtype="f32")
+    k = BLOCK - 1
+    ours_all, theirs_all = [], []
+    for prompt in PROMPTS:
+        ids = target.tokenizer.encode(prompt)
+        tokens, chains, counts = _rounds(target, drafter_gguf, ids)
+        assert tokens == Engine(target).generate(ids, GenerationConfig(max_new_tokens=N, ignore_eos=True)).token_ids
+        text = prompt + target.tokenizer.decode(tokens[:1])
+        assert greedy_tokens(bin_dir, target_gguf, text, 1).prompt == ids + tokens[:1]
+        # speculant's first round follows the prompt; llama.cpp's, the prompt and that first token
+        out, theirs, _, _ = speculative_rounds(bin_dir, target_gguf, text, "draft-dflash", k=k, n=N, drafter=drafter_gguf)
+        assert target.tokenizer.decode(ids + tokens) in out  # llama.cpp's text runs on past speculant's N tokens
+        whole = _whole(chains, counts)
+        same = equal_rounds(chains, counts, theirs, k)
+        print(f"{prompt!r}: speculant {whole}, llama.cpp {[r.accepted for r in theirs]}: {same} rounds equal")
+        assert same == len(whole), prompt  # every whole-block round alike
+        ours_all += whole
+        theirs_all += [r.accepted for r in theirs[:same]]
+    print(f"mean accepted drafts per round: speculant {sum(ours_all) / len(ours_all):.2f}, llama.cpp "
+          f"{sum(theirs_all) / len(theirs_all):.2f} in {len(ours_all)} rounds")
+    assert sum(ours_all) / len(ours_all) > 1.0
