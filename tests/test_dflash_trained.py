@@ -86,22 +86,28 @@ def train_target(folder: Path, docs: list[Path]) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
     ids = torch.tensor([t for d in docs for t in tok.encode(d.read_text())])
-    # the output layer is trained on the text's own tokens alone (a softmax over SmolLM2's 49,152 would be most of
-    # the work); the other rows keep their small initial weights, far below the trained logits
+    # the embedding and output rows of the text's own tokens alone are trained (a softmax over SmolLM2's 49,152 tokens
+    # and Adam over all their rows would be most of the work); the other rows keep their small initial weights, far
+    # below the trained logits
     used, ids = ids.unique(return_inverse=True)
+    embed, head = (torch.nn.Parameter(w.weight.detach()[used].clone()) for w in (model.model.embed_tokens, model.lm_head))
+    params = [embed, head] + [p for n, p in model.model.named_parameters() if not n.startswith("embed_tokens")]
     g = torch.Generator().manual_seed(1)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
     model.train()
     for step in range(TARGET_STEPS):
         for group in opt.param_groups:
             group["lr"] = 3e-3 * min(1.0, (step + 1) / 10)
         starts = torch.randint(0, ids.numel() - SEQ - 1, (8,), generator=g)
         batch = torch.stack([ids[s : s + SEQ + 1] for s in starts.tolist()])
-        h = model.model(used[batch[:, :-1]]).last_hidden_state
-        loss = F.cross_entropy((h @ model.lm_head.weight[used].T).flatten(0, 1), batch[:, 1:].flatten())
+        h = model.model(inputs_embeds=embed[batch[:, :-1]]).last_hidden_state
+        loss = F.cross_entropy((h @ head.T).flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[used] = embed
+        model.lm_head.weight[used] = head
     print(f"target: {TARGET_STEPS} steps, last loss {loss.item():.3f}")
     model.eval()
     model.save_pretrained(folder)

@@ -201,7 +201,7 @@ def test_train_heads_cli_trains_a_dflash_drafter(corpus, tmp_path, capsys):
     out = tmp_path / "drafter"
     rc = main(["train-heads", "--method", "dflash", "--model", str(model), "--dtype", "float32", "--data",
                str(corpus[0].parent), "--tokens", "1024", "--seq-len", "32", "--batch", "4", "--anchors", "4",
-               "--block", "4", "--minutes", "0.2", "--draft-vocab", "32", "--out", str(out), "--no-progress"])
+               "--block", "4", "--minutes", "0.5", "--draft-vocab", "32", "--out", str(out), "--no-progress"])
     printed, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(printed.strip().splitlines()[-1])["heads"] == str(out)
