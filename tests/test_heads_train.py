@@ -29,7 +29,7 @@ def corpus(tmp_path):
     return files
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle2", "eagle3"])
+@pytest.mark.parametrize("method", ["medusa", "eagle2", "eagle3", "dflash"])
 def test_train_resume_and_draft(method, corpus, tmp_path):
     target = tiny_model(32, seed=3, layers=4, logit_scale=3.0)
     dcfg = DataConfig(seq_len=64, tokens=2048, val_fraction=0.2)
@@ -38,7 +38,9 @@ def test_train_resume_and_draft(method, corpus, tmp_path):
     stats = train(target, tcfg, dcfg, corpus, out, progress=False)
     assert stats["steps"] > 5 and not stats["resumed"]
     assert stats["val"]["loss"] < stats["val_start"]["loss"]
-    assert json.loads((out / "config.json").read_text())["speculant_head"]["method"] == method
+    from speculant.heads.formats import head_method
+
+    assert head_method(out) == method  # dflash: z-lab's layout
     # the same recipe with more epochs continues from the checkpoint
     again = train(target, replace(tcfg, epochs=5), dcfg, corpus, out, progress=False)
     assert again["resumed"] and again["steps"] > stats["steps"]
@@ -47,7 +49,9 @@ def test_train_resume_and_draft(method, corpus, tmp_path):
     ref = Engine(target).generate(prompt, gen).token_ids
     e = Engine(target, method=MethodConfig(method, heads=HeadsConfig(name=str(out), nodes=6)))
     done = e.generate(prompt, gen)
-    assert done.token_ids == ref and done.stats.accepted_tokens > 0
+    # a block drafter on this random target drafts, but its blocks are rarely right (test_dflash_trained trains one
+    # on a target that has learned a text, and counts its accepted drafts)
+    assert done.token_ids == ref and (done.stats.accepted_tokens if method != "dflash" else done.stats.drafted_tokens) > 0
 
 
 def test_heads_train_in_bf16_only_where_the_cpu_multiplies_it():

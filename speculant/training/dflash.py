@@ -44,7 +44,7 @@ def layer_ids(n_layers: int, k: int = FEATURE_LAYERS) -> list[int]:
     if n_layers < 4:  # too shallow for the spread: the layers below the last
         return list(range(max(n_layers - 1, 1)))[:k]
     start, end = 1, n_layers - 3
-    return sorted({int(round(start + i * (end - start) / max(k - 1, 1))) for i in range(k)})
+    return sorted({round(start + i * (end - start) / max(k - 1, 1)) for i in range(k)})
 
 
 def drafter_config(target_cfg, block: int, layers: int, intermediate: int | None) -> dict:
