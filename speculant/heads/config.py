@@ -17,6 +17,8 @@ from ..errors import SpeculantError
 from ..models.transformer import FINAL_HIDDEN
 
 HEAD_METHODS = ("medusa", "eagle2", "eagle3")
+# what `train-heads` trains: these heads, and DFlash block drafters (dflash.py, saved in z-lab's layout)
+TRAINABLE = (*HEAD_METHODS, "dflash")
 
 
 @dataclass(frozen=True, slots=True)

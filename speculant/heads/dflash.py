@@ -19,11 +19,13 @@ kept between rounds (the reference crops its cache to the context), so a round's
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..errors import SpeculantError
@@ -129,28 +131,38 @@ class DFlashLayer(nn.Module):
         self.down_proj = nn.Linear(c.intermediate, D, False)
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """x [S, D] -> rotated keys and values [Hkv, S, hd]."""
-        S = x.shape[0]
-        k = _rope(rms(self.k_proj(x).view(S, self.Hkv, self.hd), self.k_norm, self.eps), cos, sin)
-        return k.transpose(0, 1), self.v_proj(x).view(S, self.Hkv, self.hd).transpose(0, 1)
+        """x [..., S, D] -> rotated keys and values [..., Hkv, S, hd]."""
+        lead = x.shape[:-1]
+        k = _rope(rms(self.k_proj(x).view(*lead, self.Hkv, self.hd), self.k_norm, self.eps), cos, sin)
+        return k.transpose(-2, -3), self.v_proj(x).view(*lead, self.Hkv, self.hd).transpose(-2, -3)
 
-    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
-        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context; `keep`: the rows
-        whose outputs are wanted, o_proj and the MLP then run on those alone (the attention still on all: torch's
-        attention rounds differently with fewer query rows)."""
-        S = h.shape[0]
+    def project(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The block's rows h [..., S, D] -> rotated queries [..., H, S, hd], keys and values [..., Hkv, S, hd].
+        Split from the attention so that training (training/dflash.py) attends over its own pattern."""
+        lead = h.shape[:-1]
         x = rms(h, self.input_layernorm, self.eps)
-        q = _rope(rms(self.q_proj(x).view(S, self.H, self.hd), self.q_norm, self.eps), cos, sin).transpose(0, 1)
-        k, v = self.kv(x, cos, sin)
-        start = cache.length
-        keys, values = cache.write(layer, start, k, v)  # context + block; the caller never counts the block in
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=True)[0]  # [H, S, hd]
-        out = out.transpose(0, 1).reshape(S, self.H * self.hd)
+        q = _rope(rms(self.q_proj(x).view(*lead, self.H, self.hd), self.q_norm, self.eps), cos, sin).transpose(-2, -3)
+        return q, *self.kv(x, cos, sin)
+
+    def finish(self, h: Tensor, out: Tensor, keep: slice | None = None) -> Tensor:
+        """The attention's output out [..., H, S, hd] -> the layer's output rows (residual, o_proj, MLP); `keep`: of
+        those rows alone."""
+        out = out.transpose(-2, -3)
+        out = out.reshape(*out.shape[:-2], self.H * self.hd)
         if keep is not None:
             h, out = h[keep], out[keep]
         h = h + self.o_proj(out)
         x = rms(h, self.post_attention_layernorm, self.eps)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, h: Tensor, cache: KVCache, layer: int, cos: Tensor, sin: Tensor, keep: slice | None = None) -> Tensor:
+        """The block's rows h [S, D] at the rotary rows cos/sin [S, hd/2], after the cache's context; `keep`: the rows
+        whose outputs are wanted, o_proj and the MLP then run on those alone (the attention still on all: torch's
+        attention rounds differently with fewer query rows)."""
+        q, k, v = self.project(h, cos, sin)
+        keys, values = cache.write(layer, cache.length, k, v)  # context + block; the caller never counts the block in
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], enable_gqa=True)[0]  # [H, S, hd]
+        return self.finish(h, out, keep)
 
 
 class DFlashModel(nn.Module):
@@ -239,3 +251,31 @@ def load_dflash(folder: Path, target_cfg, raw: dict, tensors: dict[str, Tensor])
                                  f"{tuple(v.shape)}")
     model.load_state_dict({k: mapped[k].float() for k in own})
     return model.eval().requires_grad_(False)
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _hf_name(own: str) -> str:
+    """This module's tensor name as z-lab's (load_dflash's mapping backwards)."""
+    parts = own.split(".")
+    if parts[0] == "layers":
+        sub = parts[2]
+        parts[2] = ("self_attn." if sub in _ATTENTION else "mlp." if sub in _MLP else "") + sub
+    name = ".".join(parts)
+    return name if name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+def save_dflash(model: DFlashModel, raw: dict, folder: Path, stats: dict | None = None) -> Path:
+    """Write a float DFlashModel in z-lab's layout (what load_dflash, the reference DFlashDraftModel and llama.cpp's
+    converter read): config.json is `raw` (the config the model was built from) with the training's `stats`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {_hf_name(k): v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    tmp = folder / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    cfg = folder / "config.tmp"
+    cfg.write_text(json.dumps({**raw, "stats": stats or {}}, indent=1))
+    cfg.replace(folder / "config.json")
+    return folder

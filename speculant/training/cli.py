@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 from ..errors import SpeculantError
-from ..heads.config import HEAD_METHODS
+from ..heads.config import TRAINABLE
 from .answers import ANSWER_TOKENS
 
 
 def add_heads_parsers(sub) -> None:
-    t = sub.add_parser("train-heads", help="train draft heads (medusa, eagle2, eagle3) for a model on this machine")
-    t.add_argument("--method", required=True, choices=HEAD_METHODS, help="which head")
+    t = sub.add_parser("train-heads", help="train draft heads (medusa, eagle2, eagle3) or a DFlash block drafter "
+                                           "(dflash) for a model on this machine")
+    t.add_argument("--method", required=True, choices=TRAINABLE,
+                   help="which head; dflash: a block drafter in z-lab's layout, run with --method dflash --drafter OUT")
     t.add_argument("--model", "-m", default="qwen2.5-coder-1.5b-instruct", help="target: preset, .gguf or HF folder")
     t.add_argument("--dtype", default=None, help="the target's weight format (default: as generate)")
     t.add_argument("--data", nargs="+", default=None, metavar="PATH",
@@ -29,10 +31,16 @@ def add_heads_parsers(sub) -> None:
                    help="training tokens to extract (default: 100,000 for a hidden size under 1,024, 60,000 above)")
     t.add_argument("--minutes", type=float, default=5.0, help="time budget, extraction included (default 5)")
     t.add_argument("--out", default=None, help="output folder (default: SPECULANT_HOME/heads/MODEL-METHOD)")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head proposes (default 8192)")
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the head proposes (default 8192); dflash: the tokens its training softmax covers (it "
+                        "drafts from the whole vocabulary; the vocabulary's size trains DFlash's full softmax)")
     t.add_argument("--heads", type=int, default=4, help="medusa: number of heads (default 4)")
     t.add_argument("--steps", type=int, default=3, help="eagle: unrolled draft steps in training (default 3)")
-    t.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head's layer (default: the target's)")
+    t.add_argument("--intermediate", type=int, default=None,
+                   help="eagle, dflash: MLP width of the head's layers (default: the target's)")
+    t.add_argument("--block", type=int, default=8, help="dflash: block size, the anchor and its drafts (default 8)")
+    t.add_argument("--layers", type=int, default=1, help="dflash: the drafter's layers (default 1)")
+    t.add_argument("--anchors", type=int, default=16, help="dflash: blocks trained per sequence and step (default 16)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     t.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
     t.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3 medusa, 4e-3 eagle)")
@@ -56,7 +64,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     configure_threads(args.threads)
     tcfg = TrainConfig(args.method, args.minutes, args.batch, args.lr, args.steps, args.draft_vocab, args.heads,
-                       args.intermediate, seed=args.seed)
+                       args.intermediate, seed=args.seed, block=args.block, layers=args.layers, anchors=args.anchors)
     files = expand(args.data) if args.data else default_sources()
     prompts = read_prompts(args.prompts) if args.prompts else None
     acfg = AnswerConfig(args.answer_tokens)

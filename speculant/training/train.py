@@ -27,12 +27,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import SpeculantError
-from ..heads.config import HEAD_METHODS, default_config
+from ..heads.config import TRAINABLE, default_config
+from ..heads.dflash import DFlashModel, save_dflash
 from ..heads.formats import save_head, save_stats
 from ..heads.modules import EagleHead, MedusaHeads, build_head, init_from_target
 from ..models.native import bf16_native
 from .answers import AnswerConfig, answer, answers_folder
 from .data import DataConfig, batches, sequences
+from .dflash import DFlashObjective, drafter_config, new_drafter
 from .features import Features, extract
 from .objectives import eagle_loss, medusa_loss
 
@@ -53,17 +55,23 @@ class TrainConfig:
     # more steps per second than 16,384 and ended better held out (docs/measurements.md "Method defaults")
     draft_vocab: int = 8192
     medusa_heads: int = 4
-    intermediate: int | None = None  # EAGLE layer's MLP width (None: the target's)
+    intermediate: int | None = None  # EAGLE / DFlash layers' MLP width (None: the target's)
     epochs: int = 50
     eval_every: int = 50
     seed: int = 0
+    # DFlash: the block (anchor + drafts) and the drafter's layers; small, for a CPU budget (z-lab's are 16 and 5)
+    block: int = 8
+    layers: int = 1
+    anchors: int = 16  # blocks trained per sequence and step
 
     def __post_init__(self) -> None:
-        if self.method not in HEAD_METHODS:
-            raise SpeculantError(f"unknown --method {self.method!r}; choose one of {', '.join(HEAD_METHODS)}")
+        if self.method not in TRAINABLE:
+            raise SpeculantError(f"unknown --method {self.method!r}; choose one of {', '.join(TRAINABLE)}")
         if not self.minutes > 0:
             raise SpeculantError(f"--minutes must be > 0, got {self.minutes}")
-        for name in ("batch", "steps", "draft_vocab", "medusa_heads", "epochs", "eval_every"):
+        if not 2 <= self.block <= 64:
+            raise SpeculantError(f"--block must be in 2..64 (the anchor and its drafts), got {self.block}")
+        for name in ("batch", "steps", "draft_vocab", "medusa_heads", "epochs", "eval_every", "layers", "anchors"):
             if getattr(self, name) < 1:
                 raise SpeculantError(f"train-heads {name} must be >= 1, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < 1:
@@ -76,10 +84,12 @@ class TrainConfig:
 
 
 class Trainer:
-    """One head being trained: its losses, evaluation and checkpoints."""
+    """One head (or DFlash drafter, whose loss is DFlashObjective's) being trained: its losses, evaluation and
+    checkpoints."""
 
-    def __init__(self, target, head: MedusaHeads | EagleHead, tcfg: TrainConfig) -> None:
-        self.target, self.head, self.tcfg = target, head, tcfg
+    def __init__(self, target, head: MedusaHeads | EagleHead | DFlashModel, tcfg: TrainConfig,
+                 objective: DFlashObjective | None = None) -> None:
+        self.target, self.head, self.tcfg, self.objective = target, head, tcfg, objective
         params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=tcfg.learning_rate, weight_decay=0.0, betas=(0.9, 0.95))
         self.step = 0
@@ -87,6 +97,8 @@ class Trainer:
         self.bf16 = bf16_native()
 
     def _loss(self, f: Features, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        if self.objective is not None:
+            return self.objective(f, idx)
         feats, ids, p = f.feats[idx], f.top_ids[idx], f.top_p[idx]
         if isinstance(self.head, MedusaHeads):
             return medusa_loss(self.head, feats, ids, p)
@@ -169,18 +181,29 @@ def choose_vocab(f: Features, size: int, vocab: int) -> torch.Tensor:
 
 def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: Path, progress: bool = True,
           prompts: list[str] | None = None, acfg: AnswerConfig = AnswerConfig()) -> dict:
-    """Train a head for `target` (a LoadedModel) and save it in `out`; returns its stats. `prompts`: train
-    on the target's answers to them first (answers.py)."""
+    """Train a head (or DFlash drafter) for `target` (a LoadedModel) and save it in `out`; returns its stats.
+    `prompts`: train on the target's answers to them first (answers.py)."""
     t0 = time.monotonic()
     deadline = t0 + tcfg.minutes * 60
     torch.manual_seed(tcfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     model = target.model
-    cfg = default_config(tcfg.method, target.config, tcfg.draft_vocab, medusa_heads=tcfg.medusa_heads,
-                         intermediate=tcfg.intermediate)
-    from dataclasses import replace
+    if tcfg.method == "dflash":
+        if dcfg.seq_len <= tcfg.block:
+            raise SpeculantError(f"--seq-len {dcfg.seq_len} leaves no anchor for a block of {tcfg.block}; give a "
+                                 "longer --seq-len or a smaller --block")
+        raw = drafter_config(target.config, tcfg.block, tcfg.layers, tcfg.intermediate)
+        drafter = new_drafter(raw, target.config, tcfg.seed)
+        taps, desc = drafter.cfg.taps(target.config.n_layers), raw
 
-    cfg = replace(cfg, target=target.name)
+        def save(head, folder: Path, stats: dict) -> None:
+            save_dflash(head, raw, folder, stats)
+    else:
+        from dataclasses import replace
+
+        cfg = replace(default_config(tcfg.method, target.config, tcfg.draft_vocab, medusa_heads=tcfg.medusa_heads,
+                                     intermediate=tcfg.intermediate), target=target.name)
+        drafter, taps, desc, save = None, cfg.taps, cfg.to_dict(), save_head
     with _Progress(progress, tcfg.minutes * 60) as bar:
         first: list[Path] = []
         if prompts:
@@ -190,26 +213,30 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
             if not first:
                 raise SpeculantError("--minutes left no time to answer a prompt; give more minutes")
         train_tok, val_tok, fp = sequences(target.tokenizer, files, dcfg, first)
-        tag = f"{Path(str(target.path)).name}-{target.dtype}-{fp}-taps{'_'.join(map(str, cfg.taps))}"
+        tag = f"{Path(str(target.path)).name}-{target.dtype}-{fp}-taps{'_'.join(map(str, taps))}"
         feat_dir = out.parent / ".features" / tag
         total = train_tok.shape[0] + val_tok.shape[0]
         bar.phase(f"features ({total} x {dcfg.seq_len} tokens)", total)
-        val = extract(model, val_tok, cfg.taps, feat_dir / "val", bar.advance)
+        val = extract(model, val_tok, taps, feat_dir / "val", bar.advance)
         try:
-            tr = extract(model, train_tok, cfg.taps, feat_dir / "train", bar.advance,
+            tr = extract(model, train_tok, taps, feat_dir / "train", bar.advance,
                          deadline=t0 + EXTRACT_SHARE * tcfg.minutes * 60)
         except TimeoutError:
             raise SpeculantError("--minutes left no time to extract training features; give more minutes") from None
         t_extract = time.monotonic() - t0
-        head = build_head(cfg)
-        head.set_vocab(choose_vocab(tr, cfg.draft_vocab, cfg.vocab))
-        init_from_target(head, model)
-        trainer = Trainer(model, head, tcfg)
-        meta = {"head": cfg.to_dict(), "data": fp, "train": {k: v for k, v in asdict(tcfg).items() if k not in ("minutes", "epochs", "eval_every")}}
+        head, objective, vocab = drafter, None, target.config.vocab_size
+        if head is None:
+            head = build_head(cfg)
+            head.set_vocab(choose_vocab(tr, cfg.draft_vocab, cfg.vocab))
+            init_from_target(head, model)
+        else:
+            objective = DFlashObjective(head, model, tcfg.anchors, tcfg.seed, choose_vocab(tr, tcfg.draft_vocab, vocab))
+        trainer = Trainer(model, head, tcfg, objective)
+        meta = {"head": desc, "data": fp, "train": {k: v for k, v in asdict(tcfg).items() if k not in ("minutes", "epochs", "eval_every")}}
         resumed = trainer.load_checkpoint(out, meta)
         bar.phase("training", None)
         metrics = start_metrics = trainer.evaluate(val)
-        best = _Best(out, resumed)
+        best = _Best(out, resumed, save)
         last_ckpt, loss = time.monotonic(), math.nan
         while trainer.epoch < tcfg.epochs and time.monotonic() < deadline:
             for idx in batches(tr.n, min(tcfg.batch, tr.n), tcfg.seed, trainer.epoch):
@@ -237,7 +264,7 @@ def train(target, tcfg: TrainConfig, dcfg: DataConfig, files: list[Path], out: P
 
 
 def _score(metrics: dict) -> tuple[float, float]:
-    """What the kept head maximizes: held-out drafts a chain gets accepted (EAGLE) or head 1's top-1
+    """What the kept head maximizes: held-out drafts a chain or block gets accepted (EAGLE, DFlash) or head 1's top-1
     hit rate (Medusa), then the lower held-out loss."""
     return float(metrics["chain"] if "chain" in metrics else metrics["acc"][0]), -float(metrics["loss"])
 
@@ -250,8 +277,8 @@ class _Best:
     user a worse head than an earlier step had. The resumable checkpoint keeps the latest state; a
     resumed run starts from the kept head's score."""
 
-    def __init__(self, out: Path, resumed: bool) -> None:
-        self.out = out
+    def __init__(self, out: Path, resumed: bool, save=save_head) -> None:
+        self.out, self.save = out, save  # save(head, folder, stats): the head's own layout
         saved = self._saved() if resumed else None
         self.score = _score(saved["val"]) if saved and "val" in saved else (-math.inf, -math.inf)
         self.stats = {k: saved[k] for k in ("val", "best_step") if k in saved} if saved else {}
@@ -264,7 +291,7 @@ class _Best:
         """A held-out evaluation at `step`; `final`: the run's stats (the last call), written beside the kept head."""
         if _score(metrics) > self.score:
             self.score, self.stats = _score(metrics), {"val": metrics, "best_step": step}
-            save_head(head, self.out, {**(final or {"steps": step, "partial": True}), **self.stats})
+            self.save(head, self.out, {**(final or {"steps": step, "partial": True}), **self.stats})
         elif final is not None:
             self.stats["val_last"] = metrics
             save_stats(self.out, {**final, **self.stats})
