@@ -37,7 +37,7 @@ SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE, _KERNELS / "attention.c", _KERNELS 
 PORTABLE_SOURCES = (_KERNELS / "gq.c", KQUANT_SOURCE)
 # included by the sources: part of the build's hash (gq.c's parts, in their include order, and simd.h)
 HEADERS = tuple(_KERNELS / h for h in ("gq_types.h", "gq_decode.h", "gq_dot_k.h", "gq_dot_32.h", "gq_dequant.h",
-                                        "gq_gemm.h", "gq_packed.h", "gq_packed2.h", "gq_packed32.h", "simd.h"))
+                                        "gq_gemm.h", "gq_packed.h", "gq_pack_k.h", "gq_packed2.h", "gq_packed32.h", "simd.h"))
 _BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 _FLAGS = _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c")
 NEEDS = "the native kernels need an x86-64 CPU with AVX2, FMA and F16C and gcc to build them"
