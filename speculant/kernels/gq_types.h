@@ -113,6 +113,20 @@ static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o
 #endif
 }
 
+/* prefetch_tile's lines spread over a superblock's loop: at step g (0, 1, ...) lines 2g and 2g + 1 of the superblock
+ * `ahead` bytes on, those within `bytes` (every line once over ceil(bytes / 128) steps). On the 256-bit builds a
+ * burst of 37-53 prefetches at a superblock's start filled the core's miss buffers and stalled it until lines
+ * arrived; asked for between the multiplies, the same lines stream faster: a Q6_K output layer at M = 1 about
+ * twice the GB/s from memory (docs/measurements.md, issue 46). No effect on results. */
+static inline __attribute__((always_inline)) void prefetch_spread(const uint8_t *o, int64_t bytes, int ahead, int g) {
+#if defined(__GNUC__)
+    if (128 * g < bytes) __builtin_prefetch(o + ahead + 128 * g, 0, 2);
+    if (128 * g + 64 < bytes) __builtin_prefetch(o + ahead + 128 * g + 64, 0, 2);
+#else
+    (void)o; (void)bytes; (void)ahead; (void)g;
+#endif
+}
+
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *b, int bytes) {
 #if defined(__GNUC__)
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(b + PREFETCH_AHEAD + l, 0, 3);
