@@ -253,6 +253,24 @@ def test_long_passes_multiply_the_same_weights():
     assert ((y - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
+def test_the_bf16_route_multiplies_float_parts_in_float32():
+    """Long passes of the bf16 route (AVX512-BF16 and AMX CPUs) round block types' weights to bf16, but F32 and F16
+    parts keep the file's precision: an F32 GGUF's prompt logits were a few percent off on such CPUs."""
+    K = 256
+    w = torch.randn(48, K)
+    parts = [Part(int(T.F32), w[:16].numpy().view(np.uint8).copy()),
+             Part(int(T.F16), w[16:32].half().numpy().view(np.uint8).copy()),
+             Part(int(T.Q8_0), quants.quantize(w[32:].numpy(), T.Q8_0))]
+    lin = GGMLLinear(parts, K)
+    x = torch.randn(40, K)
+    ref = x.double() @ lin.dequantized().double().T
+    got = lin._forward_bf16(x).double()
+    floats = (got[:, :32] - ref[:, :32]).abs().max() / ref[:, :32].abs().max()
+    assert floats < 1e-6, floats  # float32 sums; bf16 activations alone would be ~4e-3
+    q8 = (got[:, 32:] - ref[:, 32:]).abs().max() / ref[:, 32:].abs().max()
+    assert 1e-5 < q8 < 2e-2, q8  # the block type still takes bf16
+
+
 def test_float_weights_quantize_on_load_with_the_gguf_reference():
     w = torch.randn(16, 256)
     lin = GGMLLinear.from_float(w, None, "q8_0")

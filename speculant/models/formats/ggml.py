@@ -15,13 +15,14 @@ Prompts take the best of `prefill_routes()` (ggml_routes.py): on x86 builds with
 rows through the fused block loop (Transformer.forward; the short passes' kernel), so a layer sees no longer pass;
 otherwise, and for a layer called with more rows (an output layer scoring a whole prompt), the block types
 an integer GEMM with an output per lane on x86 builds (gq_gemm.h); float types, or every type on CPUs with
-AMX, weights dequantized a chunk at a time into bf16 and multiplied by oneDNN; elsewhere the short passes'
-kernel.
+AMX, weights dequantized a chunk at a time into bf16 and multiplied by oneDNN (F32 and F16 parts in float32);
+elsewhere the short passes' kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import numpy as np
 import torch
@@ -128,22 +129,35 @@ class GGMLLinear(QLinear):
         return y
 
     def _forward_bf16(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, N]
+        """The "bf16" route: block types' weights dequantized a chunk at a time into bf16 and multiplied by oneDNN.
+        F32 and F16 parts multiply in float32 instead (an F32 part as the file stores it, an F16 one dequantized a
+        chunk at a time): rounding their weights and the activations to bf16 would cost the file's precision, a
+        logit error of a few percent, where they gain little speed (float weights are the large files)."""
         K = self.in_features
-        xb = x.to(torch.bfloat16)
+        xs = {torch.float32: x}
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
-        step = max(16, _CHUNK_BYTES // (2 * K))
-        buf = torch.empty(min(step, max(p.rows for p in self.parts)), K, dtype=torch.bfloat16)
         col = 0
         for p in self.parts:
             out = y[:, col:col + p.rows] if p.perm is None else torch.empty(x.shape[0], p.rows)
-            for r0 in range(0, p.rows, step):
-                r1 = min(r0 + step, p.rows)
-                rc = self._lib.gq_dequant_range(p.qtype, p.data.ctypes.data, p.data.shape[1], K, r0, r1,
-                                                buf.data_ptr(), 1, threads)
-                if rc:
-                    raise SpeculantError(_ERRORS.get(rc, f"dequantizing a GGML tensor failed ({rc})"))
-                out[:, r0:r1] = torch.mm(xb, buf[: r1 - r0].T)
+            if p.qtype == GGMLQuantizationType.F32:
+                with warnings.catch_warnings():  # the file's read-only map, only read here
+                    warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                    w = torch.from_numpy(p.data.view(np.float32))
+                out[:] = torch.mm(x, w.T)
+            else:
+                dtype = torch.float32 if p.qtype == GGMLQuantizationType.F16 else torch.bfloat16
+                if dtype not in xs:
+                    xs[dtype] = x.to(dtype)
+                step = max(16, _CHUNK_BYTES // (dtype.itemsize * K))
+                buf = torch.empty(min(step, p.rows), K, dtype=dtype)
+                for r0 in range(0, p.rows, step):
+                    r1 = min(r0 + step, p.rows)
+                    rc = self._lib.gq_dequant_range(p.qtype, p.data.ctypes.data, p.data.shape[1], K, r0, r1,
+                                                    buf.data_ptr(), int(dtype == torch.bfloat16), threads)
+                    if rc:
+                        raise SpeculantError(_ERRORS.get(rc, f"dequantizing a GGML tensor failed ({rc})"))
+                    out[:, r0:r1] = torch.mm(xs[dtype], buf[: r1 - r0].T)
             if p.perm is not None:
                 y[:, col + torch.from_numpy(p.perm).long()] = out
             col += p.rows
