@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# llama.cpp's reference tools (tests/llama_cpp_ref.py): on a machine that has not built them yet, the build takes
+# minutes; started now it overlaps the installs and model pulls below, and the tests that need it wait for it on
+# its lock. Its output is the tests' to report (they call the script again: a failed build repeats its log).
+PYTHON=.venv/bin/python bash scripts/build_llama_cpp.sh >/dev/null 2>&1 &
 # z-lab's reference DFlash model (tests/test_dflash.py checks ours against it); its pins clash with ours and
 # it is never a runtime dependency, so it comes without its dependencies.
 .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
