@@ -8,13 +8,14 @@ clock hits both alike. Prints each side's median and the median of the per-turn 
           M = 1, a verification pass at M > 1: all logits), the fused block loop and every GGML linear on
           the side's library
 
-Usage: .venv/bin/python scripts/kernel_ab.py [--base REV] [--model qwen2.5-coder-1.5b-instruct] [--rows 1 4 8 16]
+Usage: .venv/bin/python scripts/kernel_ab.py [--base REV | --base-dir KERNELS_DIR] [--model qwen2.5-coder-1.5b-instruct] [--rows 1 4 8 16]
        [--types Q4_K Q6_K] [--n 4096] [--k 1536] [--repeats 15] [--inner 5] [--threads 1] [--isa avx2]
 Checks first that both sides give the same bits (they must: the kernels' exactness contract, gq.c).
 """
 import argparse
 import ctypes
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +37,8 @@ from tests.test_gguf_kernels import random_blocks  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--base", default="HEAD")
+ap.add_argument("--base-dir", default=None, help="a kernels folder as the base instead of --base's (an uncommitted "
+                                                  "variant)")
 ap.add_argument("--isa", choices=[n for n, _, _ in native.ISAS])
 ap.add_argument("--model", default=None)
 ap.add_argument("--cache", type=int, default=256)
@@ -60,10 +63,13 @@ def build(src: Path, name: str, out_dir: Path) -> ctypes.CDLL:
 
 
 tmp = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-subprocess.run(f"git -C {ROOT} archive {args.base} speculant/kernels | tar -x -C {tmp}", shell=True, check=True)
+if args.base_dir:
+    shutil.copytree(args.base_dir, tmp / "speculant" / "kernels")
+else:
+    subprocess.run(f"git -C {ROOT} archive {args.base} speculant/kernels | tar -x -C {tmp}", shell=True, check=True)
 torch.get_num_threads()  # torch's libgomp first, as native.library does
 libs = {"base": build(tmp / "speculant" / "kernels", "base", tmp), "new": build(ROOT / "speculant" / "kernels", "new", tmp)}
-print(f"{isa} build, {threads} threads, base {args.base} vs the working tree; load average {os.getloadavg()[0]:.2f}")
+print(f"{isa} build, {threads} threads, base {args.base_dir or args.base} vs the working tree; load average {os.getloadavg()[0]:.2f}")
 
 
 def ab(label: str, run) -> None:

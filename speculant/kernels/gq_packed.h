@@ -339,5 +339,6 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 #endif
 
 #include "gq_pack_k.h" /* their rows repacked into these tiles, at load */
+#include "gq_packed8.h" /* the 256-bit builds' passes of 5..8 rows over these tiles */
 
 #endif /* SPECULANT_GQ_PACKED_H */

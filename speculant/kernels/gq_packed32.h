@@ -235,10 +235,11 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
         /* Q2_K/Q3_K: at most 5 rows a pass (their 16-value groups keep more accumulators live: 6 or more rows
          * spill, and one pass of 8 rows took longer than two of 4; `scripts/linear_timing.py --rows 8` on a
          * Q3_K_M file) */
-        const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED_MR;
+        /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h) */
+        const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED8 && t == Q6_K ? PACKED8_MR : PACKED_MR;
         const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;
-        vf_t out[PACKED_MR][2];
+        vf_t out[PACKED8_MR][2];
         if (family(t) == FAM_32) {
             const int8_t *x = X->q32 + m0 * K;
             const float *d = X->d32 + m0 * nb, *s = X->s32 + m0 * nb;
@@ -257,13 +258,25 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int8_t *x = X->qk + m0 * K;
             const float *d = X->dk + m0 * nsb;
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
+#if PACKED8 /* R > PACKED_MR: Q6_K only (mr above) */
+#define PACKED_WIDE(R) packed8_6_rows(R, tile, nsb, x, K, d, s16, out);
+#define PK_SWITCH ROW_SWITCH
+#else
+#define PACKED_WIDE(R)
+#define PK_SWITCH PACKED_SWITCH
+#endif
+#define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
 #define PACKED_CASE(R)                                                                                        \
-    if (t == Q6_K) packed6_rows(R, tile, nsb, x, K, d, s16, out);                                             \
-    else if (t == Q3_K) packed2_rows(R, 1, tile, nsb, x, K, d, s16, out);                                     \
-    else if (t == Q2_K) packed2_rows(R, 0, tile, nsb, x, K, d, s16, out);                                     \
-    else if (t == Q5_K) packed_rows(R, 1, tile, nsb, x, K, d, s32, out);                                      \
-    else packed_rows(R, 0, tile, nsb, x, K, d, s32, out);
-            PACKED_SWITCH(mc, PACKED_CASE);
+    if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                                   \
+    else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
+    else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
+    else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
+    else if (t == Q5_K) packed_rows(RN(R), 1, tile, nsb, x, K, d, s32, out);                                  \
+    else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
+            PK_SWITCH(mc, PACKED_CASE);
+#undef RN
+#undef PK_SWITCH
+#undef PACKED_WIDE
 #undef PACKED_CASE
         }
         store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);
