@@ -8,8 +8,8 @@ clock hits both alike. Prints each side's median and the median of the per-turn 
           M = 1, a verification pass at M > 1: all logits), the fused block loop and every GGML linear on
           the side's library
 
-Usage: .venv/bin/python scripts/kernel_ab.py [--base REV | --base-dir KERNELS_DIR] [--model qwen2.5-coder-1.5b-instruct] [--rows 1 4 8 16]
-       [--types Q4_K Q6_K] [--n 4096] [--k 1536] [--repeats 15] [--inner 5] [--threads 1] [--isa avx2]
+Usage: .venv/bin/python scripts/kernel_ab.py [--base REV | --base-dir KERNELS_DIR] [--model qwen2.5-coder-1.5b-instruct]
+       [--rows 1 4 8 16] [--types Q4_K Q6_K] [--n 4096] [--k 1536] [--repeats 15] [--inner 5] [--threads 1] [--isa avx2]
 Checks first that both sides give the same bits (they must: the kernels' exactness contract, gq.c).
 """
 import argparse

@@ -13,7 +13,8 @@ The build (scripts/build_llama_cpp.sh, usable by hand too) lives in $SPECULANT_H
 the sdist's version and the CPU's flags (a native build); concurrent pytest-xdist workers wait for one
 build (minutes on a few cores, at nice 10) instead of each making their own. Where it cannot be built
 (no cmake or compiler, no network to PyPI, a failed build) the tests that need it skip with the reason
-and the end of the build log (fail, under CI: scripts/test.sh starts the build before the tests); a failed build is remembered until its log beside the cache is deleted.
+and the end of the build log, or fail under CI ($CI set); a failed build is remembered until its log beside the
+cache is deleted. scripts/test.sh starts the build before the tests.
 
 Greedy ids come from scripts/llama_greedy.cpp: llama-simple's loop and greedy sampler printing ids
 instead of text (re-tokenizing generated text need not give back the tokens chosen), which does not
