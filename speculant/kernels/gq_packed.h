@@ -97,10 +97,8 @@ static inline vi_t with_bit(vi_t w, vi_t h, int b, int tb) {
 }
 
 /* AVX2 without VNNI has no one-instruction u8 x s8 dot product: VDP_U8 is vpmaddubsw, vpmaddwd by ones and vpaddd.
- * A Q4_K pass there keeps each sub-block's pair sums in int16 (vpmaddubsw, vpaddw) and widens them once per
- * sub-block, by vpmaddwd with the sub-block's scales (the scale in both halves of each lane; no vpmulld): fewer
- * instructions per activation row, the same exact integer S (u < 16, |x| <= 127: a pair <= 3810, the 8 groups of
- * a sub-block <= 30480 < 32767; vpmaddubsw never saturates). */
+ * Q4_K passes there (gq_packed_i16.h) keep each sub-block's pair sums in int16 and widen them once per sub-block,
+ * by vpmaddwd with the sub-block's scales (i16_scales: the scale in both halves of each lane; no vpmulld). */
 #if !GQ_VNNI
 #define PK_I16 1
 static inline vi_t i16_scales(vi_t s) { return VI_OR(s, VI_SLLI32(s, 16)); } /* s < 2^15 in each int32 lane */
@@ -108,7 +106,27 @@ static inline vi_t i16_scales(vi_t s) { return VI_OR(s, VI_SLLI32(s, 16)); } /* 
 #define PK_I16 0
 #endif
 
-/* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. */
+/* The end of superblock sb of a packed Q4_K/Q5_K tile o for R rows: Mn from the mins and the sums of x per 32, then
+ * the canonical two fused multiply-adds into acc (the float work every build and pass shares) */
+static inline __attribute__((always_inline)) void q4k_finish(const int R, const int NV, const uint8_t *o, vi_t S[][2],
+                                                             const int16_t *b32, const int64_t K, const int64_t sb,
+                                                             const float *xd, const int64_t nsb, vf_t acc[][2]) {
+    for (int v = 0; v < NV; v++) {
+        const vf_t D = VF_F16(o + PK_D + 2 * VL * v), DM = VF_F16(o + PK_DM + 2 * VL * v);
+        vi_t mn[4];
+        for (int p = 0; p < 4; p++) mn[p] = pairs16(o + PK_MN + 32 * p + 2 * VL * v, 0);
+        for (int m = 0; m < R; m++) {
+            vi_t Mn = VI_ZERO();
+            for (int p = 0; p < 4; p++) Mn = VDP_I16(Mn, mn[p], bcast4(b32 + m * (K / 32) + sb * 8 + 2 * p));
+            const vf_t dx = VF_SET1(xd[m * nsb + sb]);
+            acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
+            acc[m][v] = VF_FNMA(VF_CVT(Mn), VF_MUL(DM, dx), acc[m][v]);
+        }
+    }
+}
+
+/* out[m][v] (lanes VL v .. of the tile) for R activation rows: xq [R][K], xd [R][nsb], b32 [R][K / 32]. Q5_K, and
+ * Q4_K on the VNNI builds. */
 static inline __attribute__((always_inline)) void packed_rows(const int R, const int q5, const uint8_t *tile,
                                                               const int64_t nsb,
                                                               const int8_t *xq, const int64_t K, const float *xd,
@@ -152,46 +170,17 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
                     }
                 }
                 for (int m = 0; m < R; m++) {
-#if PK_I16
-                    if (!q5) { /* int16 sums (above) */
-                        const vi_t xl = bcast4(x + m * K + 4 * g), xh = bcast4(x + m * K + 128 + 4 * g);
-                        for (int v = 0; v < NV; v++) {
-                            Il[m][v] = _mm256_add_epi16(Il[m][v], _mm256_maddubs_epi16(wl[v], xl));
-                            Ih[m][v] = _mm256_add_epi16(Ih[m][v], _mm256_maddubs_epi16(wh[v], xh));
-                        }
-                        continue;
-                    }
-#endif
                     DP_BCAST(Il[m], wl, x + m * K + 4 * g, NV);
                     DP_BCAST(Ih[m], wh, x + m * K + 128 + 4 * g, NV);
                 }
             }
             for (int v = 0; v < NV; v++) {
                 const vi_t scl = VI_U8_32(o + PK_SC + 16 * j + VL * v), sch = VI_U8_32(o + PK_SC + 16 * (j + 4) + VL * v);
-#if PK_I16
-                if (!q5) {
-                    const vi_t sl = i16_scales(scl), sh = i16_scales(sch);
-                    for (int m = 0; m < R; m++)
-                        S[m][v] = VI_ADD(S[m][v], VI_ADD(_mm256_madd_epi16(Il[m][v], sl), _mm256_madd_epi16(Ih[m][v], sh)));
-                    continue;
-                }
-#endif
                 for (int m = 0; m < R; m++)
                     S[m][v] = VI_ADD(S[m][v], VI_ADD(VI_MULLO(Il[m][v], scl), VI_MULLO(Ih[m][v], sch)));
             }
         }
-        for (int v = 0; v < NV; v++) {
-            const vf_t D = VF_F16(o + PK_D + 2 * VL * v), DM = VF_F16(o + PK_DM + 2 * VL * v);
-            vi_t mn[4];
-            for (int p = 0; p < 4; p++) mn[p] = pairs16(o + PK_MN + 32 * p + 2 * VL * v, 0);
-            for (int m = 0; m < R; m++) {
-                vi_t Mn = VI_ZERO();
-                for (int p = 0; p < 4; p++) Mn = VDP_I16(Mn, mn[p], bcast4(b32 + m * (K / 32) + sb * 8 + 2 * p));
-                const vf_t dx = VF_SET1(xd[m * nsb + sb]);
-                acc[m][v] = VF_FMA(VF_CVT(S[m][v]), VF_MUL(D, dx), acc[m][v]);
-                acc[m][v] = VF_FNMA(VF_CVT(Mn), VF_MUL(DM, dx), acc[m][v]);
-            }
-        }
+        q4k_finish(R, NV, o, S, b32, K, sb, xd, nsb, acc);
     }
     COPY_RV(out, acc, R, NV);
 }
@@ -340,5 +329,6 @@ static void expand_packed(int t, const uint8_t *pk, int64_t K, ktile *kt) {
 
 #include "gq_pack_k.h" /* their rows repacked into these tiles, at load */
 #include "gq_packed8.h" /* the 256-bit builds' passes of 5..8 rows over these tiles */
+#include "gq_packed_i16.h" /* Q4_K's passes on AVX2 without VNNI */
 
 #endif /* SPECULANT_GQ_PACKED_H */

@@ -235,8 +235,9 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
         /* Q2_K/Q3_K: at most 5 rows a pass (their 16-value groups keep more accumulators live: 6 or more rows
          * spill, and one pass of 8 rows took longer than two of 4; `scripts/linear_timing.py --rows 8` on a
          * Q3_K_M file) */
-        /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h) */
-        const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED8 && t == Q6_K ? PACKED8_MR : PACKED_MR;
+        /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h); Q4_K on AVX2: 6 (gq_packed_i16.h) */
+        const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED8 && t == Q6_K ? PACKED8_MR
+                         : PK_I16 && t == Q4_K ? PACKED_I16_MR : PACKED_MR;
         const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;
         vf_t out[PACKED8_MR][2];
@@ -258,16 +259,23 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int8_t *x = X->qk + m0 * K;
             const float *d = X->dk + m0 * nsb;
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
-#if PACKED8 /* R > PACKED_MR: Q6_K only (mr above) */
+#if PACKED8 /* R > PACKED_MR: Q6_K, and Q4_K on AVX2 (mr above) */
 #define PACKED_WIDE(R) packed8_6_rows(R, tile, nsb, x, K, d, s16, out);
 #define PK_SWITCH ROW_SWITCH
 #else
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
+#if PK_I16
+#define PACKED_I16(R) { packed_i16_rows(R, tile, nsb, x, K, d, s32, out); }
+#else
+#define PACKED_I16(R) {}
+#endif
 #define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
+#define RI(R) ((R) > PACKED_I16_MR ? PACKED_I16_MR : (R)) /* and the int16 kernel's */
 #define PACKED_CASE(R)                                                                                        \
-    if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                                   \
+    if (PK_I16 && t == Q4_K) PACKED_I16(RI(R))                                                                \
+    else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
     else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
@@ -275,6 +283,8 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
             PK_SWITCH(mc, PACKED_CASE);
 #undef RN
+#undef RI
+#undef PACKED_I16
 #undef PK_SWITCH
 #undef PACKED_WIDE
 #undef PACKED_CASE

@@ -6,9 +6,8 @@
  * was two passes, each unpacking every weight vector and reading the tile again. Here a pass keeps one half-tile
  * and one group of 16 values live at a time: one chain per row, so 8 rows
  * fit, and every weight vector is unpacked once for all the rows of the pass. Each activation quad is then
- * broadcast once per half-tile rather than once per pass: more loads, no more arithmetic. Q4_K the same way (one
- * nibble half and 4 rows x 2 half-tiles at a time) was slower than two passes of 4 (docs/measurements.md, issue 49):
- * its int16 sums already cost little per row, so Q4_K and Q5_K keep PACKED_MR.
+ * broadcast once per half-tile rather than once per pass: more loads, no more arithmetic. Q4_K's unpacking is small
+ * beside its rows' work, so its AVX2 passes keep both half-tiles instead (gq_packed_i16.h); Q5_K keeps PACKED_MR.
  *
  * The integers are gq_packed.h's exact S and Mn, summed in another order (exact: the same integers), and the
  * float work per (superblock, row, lane) is the same two fused multiply-adds in superblock order, so a row's bits

@@ -1,0 +1,76 @@
+/* Passes of 1..6 activation rows over packed Q4_K tiles on AVX2 builds without VNNI.
+ * Part of gq.c, included at the end of gq_packed.h (its layouts, canonical forms and helpers).
+ *
+ * Why a kernel of its own: without VNNI each 32 products are one vpmaddubsw, and their int16 pair sums add with
+ * vpaddw (u < 16, |x| <= 127: a pair <= 3810, a sub-block's 8 groups <= 30480 < 32767; vpmaddubsw never saturates),
+ * so a row needs two instructions per 32 products. gq_packed.h's loop keeps both nibble halves' sums live (4 chains a
+ * row), and gcc, free to reassociate integer adds, summed the products of neighbouring groups first: passes of 2-4
+ * rows spilled their sums, and an extra row cost about twice what its instructions need (`scripts/row_cost.py`;
+ * docs/measurements.md, issue 49). Here a pass keeps one nibble half live at a time (2 chains a row; each weight
+ * vector is loaded once per half, from L1), and each multiply-add is one asm pair (maddubs_add), so every sum stays
+ * one chain in a register for up to 6 rows.
+ *
+ * The integers are gq_packed.h's exact S and Mn, summed in another order (exact: the same integers), and the float
+ * work per (superblock, row, lane) is the same two fused multiply-adds in superblock order, so a row's bits do not
+ * depend on the pass or the build (tests/test_gguf_kernels.py runs 1..32 rows on every build). */
+#ifndef SPECULANT_GQ_PACKED_I16_H
+#define SPECULANT_GQ_PACKED_I16_H
+
+#if PK_I16
+#define PACKED_I16_MR 6
+
+/* a + vpmaddubsw(w, x): one instruction pair the compiler cannot reorder into a tree of sums */
+static inline __attribute__((always_inline)) vi_t maddubs_add(vi_t a, vi_t w, vi_t x) {
+    vi_t t;
+    __asm__("vpmaddubsw %[x], %[w], %[t]\n\tvpaddw %[t], %[a], %[a]" : [a] "+x"(a), [t] "=&x"(t) : [w] "x"(w), [x] "x"(x));
+    return a;
+}
+
+/* out[m][v] for R (1..6) activation rows of a Q4_K tile: packed_rows' arguments (q5 = 0) */
+static inline __attribute__((always_inline)) void packed_i16_rows(const int R, const uint8_t *tile, const int64_t nsb,
+                                                                  const int8_t *xq, const int64_t K, const float *xd,
+                                                                  const int16_t *b32, vf_t out[][2]) {
+    vf_t acc[PACKED_I16_MR][2];
+    SET_RV(acc, R, 2, VF_ZERO());
+    const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *o = tile + sb * PACK_SB_BYTES;
+        const int8_t *x = xq + sb * 256;
+        vi_t S[PACKED_I16_MR][2];
+        SET_RV(S, R, 2, VI_ZERO());
+        for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* sub-block j + 4h: the low (h = 0) or high nibbles of groups 8j .. 8j + 7 */
+                vi_t I[PACKED_I16_MR][2];
+                SET_RV(I, R, 2, VI_ZERO());
+                /* each half loads the weight vectors anew: kept from the first half, they spilled */
+                __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 8
+                for (int gg = 0; gg < 8; gg++) {
+                    const int g = 8 * j + gg;
+                    if (!h) prefetch_spread(o, PACK_SB_BYTES, 4096, g);
+                    vi_t w[2];
+                    for (int v = 0; v < 2; v++) {
+                        const vi_t q = VI_LOAD(o + 64 * g + 32 * v);
+                        w[v] = VI_AND(h ? VI_SRLI16(q, 4) : q, lo4);
+                    }
+                    for (int m = 0; m < R; m++) {
+                        const vi_t xb = bcast4(x + m * K + 128 * h + 4 * g);
+                        for (int v = 0; v < 2; v++) I[m][v] = maddubs_add(I[m][v], w[v], xb);
+                    }
+                }
+                for (int v = 0; v < 2; v++) {
+                    const vi_t sc = i16_scales(VI_U8_32(o + PK_SC + 16 * (j + 4 * h) + 8 * v));
+                    for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], _mm256_madd_epi16(I[m][v], sc));
+                }
+            }
+        }
+        q4k_finish(R, 2, o, S, b32, K, sb, xd, nsb, acc);
+    }
+    COPY_RV(out, acc, R, 2);
+}
+#else
+#define PACKED_I16_MR PACKED_MR
+#endif
+
+#endif /* SPECULANT_GQ_PACKED_I16_H */
