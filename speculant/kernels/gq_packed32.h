@@ -259,23 +259,23 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int8_t *x = X->qk + m0 * K;
             const float *d = X->dk + m0 * nsb;
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
-#if PACKED8 /* R > PACKED_MR: Q6_K, and Q4_K on AVX2 (mr above) */
+#if PK_I16
+            if (t == Q4_K) {
+                packed_i16_pass(mc, tile, nsb, x, K, d, s32, out);
+                store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);
+                continue;
+            }
+#endif
+#if PACKED8 /* R > PACKED_MR: Q6_K only (mr above) */
 #define PACKED_WIDE(R) packed8_6_rows(R, tile, nsb, x, K, d, s16, out);
 #define PK_SWITCH ROW_SWITCH
 #else
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
-#if PK_I16
-#define PACKED_I16(R) { packed_i16_rows(R, tile, nsb, x, K, d, s32, out); }
-#else
-#define PACKED_I16(R) {}
-#endif
 #define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
-#define RI(R) ((R) > PACKED_I16_MR ? PACKED_I16_MR : (R)) /* and the int16 kernel's */
 #define PACKED_CASE(R)                                                                                        \
-    if (PK_I16 && t == Q4_K) PACKED_I16(RI(R))                                                                \
-    else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
+    if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                                   \
     else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
@@ -283,8 +283,6 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
             PK_SWITCH(mc, PACKED_CASE);
 #undef RN
-#undef RI
-#undef PACKED_I16
 #undef PK_SWITCH
 #undef PACKED_WIDE
 #undef PACKED_CASE

@@ -69,6 +69,21 @@ static inline __attribute__((always_inline)) void packed_i16_rows(const int R, c
     }
     COPY_RV(out, acc, R, 2);
 }
+/* packed_i16_rows for mc = 1..6 rows, out of line: instantiated inside packed_tile's row switch, its six bodies changed
+ * gcc's choices for the other types' passes there (a Q5_0 layer's single row took 8% longer; `scripts/kernel_ab.py
+ * --types Q5_0`) */
+static __attribute__((noinline)) void packed_i16_pass(int64_t mc, const uint8_t *tile, const int64_t nsb,
+                                                      const int8_t *xq, const int64_t K, const float *xd,
+                                                      const int16_t *b32, vf_t out[][2]) {
+    switch (mc) {
+    case 1: packed_i16_rows(1, tile, nsb, xq, K, xd, b32, out); break;
+    case 2: packed_i16_rows(2, tile, nsb, xq, K, xd, b32, out); break;
+    case 3: packed_i16_rows(3, tile, nsb, xq, K, xd, b32, out); break;
+    case 4: packed_i16_rows(4, tile, nsb, xq, K, xd, b32, out); break;
+    case 5: packed_i16_rows(5, tile, nsb, xq, K, xd, b32, out); break;
+    default: packed_i16_rows(6, tile, nsb, xq, K, xd, b32, out); break;
+    }
+}
 #else
 #define PACKED_I16_MR PACKED_MR
 #endif
