@@ -259,13 +259,6 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
             const int8_t *x = X->qk + m0 * K;
             const float *d = X->dk + m0 * nsb;
             const int16_t *s16 = X->bk + m0 * (K / 16), *s32 = X->b32k + m0 * (K / 32);
-#if PK_I16
-            if (t == Q4_K) {
-                packed_i16_pass(mc, tile, nsb, x, K, d, s32, out);
-                store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);
-                continue;
-            }
-#endif
 #if PACKED8 /* R > PACKED_MR: Q6_K only (mr above) */
 #define PACKED_WIDE(R) packed8_6_rows(R, tile, nsb, x, K, d, s16, out);
 #define PK_SWITCH ROW_SWITCH
@@ -273,18 +266,25 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
+#if PK_I16 /* Q4_K on AVX2: gq_packed_i16.h's passes (mr above), out of line */
+#define PACKED_Q4K(R) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);
+#else
+#define PACKED_Q4K(R) packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
+#endif
 #define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
 #define PACKED_CASE(R)                                                                                        \
-    if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                                   \
+    if (PK_I16 && t == Q4_K) { PACKED_Q4K(R) }                                                                \
+    else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
     else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q5_K) packed_rows(RN(R), 1, tile, nsb, x, K, d, s32, out);                                  \
-    else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
+    else { PACKED_Q4K(R) }
             PK_SWITCH(mc, PACKED_CASE);
 #undef RN
 #undef PK_SWITCH
 #undef PACKED_WIDE
+#undef PACKED_Q4K
 #undef PACKED_CASE
         }
         store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);

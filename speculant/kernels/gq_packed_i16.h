@@ -69,9 +69,9 @@ static inline __attribute__((always_inline)) void packed_i16_rows(const int R, c
     }
     COPY_RV(out, acc, R, 2);
 }
-/* packed_i16_rows for mc = 1..6 rows, out of line: instantiated inside packed_tile's row switch, its six bodies changed
- * gcc's choices for the other types' passes there (a Q5_0 layer's single row took 8% longer; `scripts/kernel_ab.py
- * --types Q5_0`) */
+
+/* packed_i16_rows for mc = 1..6 rows, out of line: inlined into packed_tile's row switch, its bodies changed gcc's code
+ * for the other types' passes there (`scripts/kernel_ab.py --types Q5_0`; docs/measurements.md, issue 49) */
 static __attribute__((noinline)) void packed_i16_pass(int64_t mc, const uint8_t *tile, const int64_t nsb,
                                                       const int8_t *xq, const int64_t K, const float *xd,
                                                       const int16_t *b32, vf_t out[][2]) {
