@@ -4,8 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
+import numpy as np
 import torch
+
+
+def _in_memory_numpy() -> types.ModuleType:
+    """numpy, as gguf's reader module sees it, with a read-only `memmap` that reads the whole file into an
+    ordinary array: the reader slices the file a few values at a time (millions of slices for a vocabulary),
+    and each slice of a memmap runs numpy's Python-level subclass hooks; the bytes are the same."""
+
+    def memmap(path, mode="r"):
+        if mode != "r":
+            return np.memmap(path, mode=mode)
+        data = np.fromfile(path, dtype=np.uint8)
+        data.flags.writeable = False
+        return data
+
+    module = types.ModuleType("numpy")
+    module.__dict__.update(np.__dict__)
+    module.memmap = memmap
+    return module
 
 
 @contextlib.contextmanager
@@ -13,10 +33,12 @@ def hf_gguf_loading():
     """transformers, loading from a GGUF file, parses the whole file (every vocabulary string) once for the
     config, again for the weights and again for a tokenizer, and builds gguf's TensorNameMap anew for each of
     the model's hundreds of submodules; both depend on their arguments alone and are only read, so while this
-    context lasts each is built once. What transformers reads and computes is unchanged."""
+    context lasts each is built once, and the reader parses the file from memory (_in_memory_numpy). What
+    transformers reads and computes is unchanged."""
     import gguf
+    from gguf import gguf_reader
 
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    reader, name_map, numpy = gguf.GGUFReader, gguf.get_tensor_name_map, gguf_reader.np
     readers: dict[tuple, object] = {}
 
     def read(path, mode="r"):
@@ -25,11 +47,11 @@ def hf_gguf_loading():
             readers[key] = reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(name_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map, gguf_reader.np = read, functools.cache(name_map), _in_memory_numpy()
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map, gguf_reader.np = reader, name_map, numpy
 
 
 def no_weight_init():

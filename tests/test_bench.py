@@ -257,6 +257,17 @@ def test_fidelity_and_measure_model(tiny) -> None:
     assert same.max_abs_logit_diff == 0.0 and same.top1_agreement == 1.0 and same.positions == 20
     noisy = compare_logits("tiny", "int8", a, a + 0.5)
     assert noisy.max_abs_logit_diff == pytest.approx(0.5, abs=1e-5) and noisy.top1_agreement == 1.0
+    assert abs(noisy.mean_kl) < 1e-12  # a shift of every logit leaves the distribution as it was
+    # over several row blocks, against log-softmax's KL: the ordinary formula in float64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 300, generator=g) * 3
+    y = x + torch.randn(70, 300, generator=g) * 0.3
+    y[5, :150] = x[5, :150] + 20  # a position where the top token differs
+    got = compare_logits("tiny", "q4_0", x, y, rows=16)
+    p, q = x.double().log_softmax(-1), y.double().log_softmax(-1)
+    assert got.mean_kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-12)
+    assert got.top1_agreement == float((x.argmax(-1) == y.argmax(-1)).double().mean()) < 1.0
+    assert got.max_abs_logit_diff == float((x - y).abs().max()) and got.positions == 70
     cfg = SpeedConfig(models=("tiny",), dtypes=("float32",), tokens=4, cache=20, repeats=1, ks=(1, 2))
     row = measure_model(tiny.model, "tiny", "float32", ids[:20], cfg)
     row.bandwidth_gbps = 10.0  # as run_speed's bracketing sets it
