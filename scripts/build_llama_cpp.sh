@@ -9,8 +9,12 @@
 # The folder is $SPECULANT_HOME/llama.cpp/VERSION-CPUKEY (CPUKEY: a hash of the CPU's flags, as a
 # native build only runs on the CPU it was built for). Concurrent callers (pytest-xdist workers) wait on
 # one lock; the finished folder appears by an atomic rename, so a half-built folder is never used.
-# Exit status: 0 built or cached; 3 cmake or a compiler missing; 4 download failed; 5 build failed (the
-# log is kept beside the folder and a later call repeats the failure at once until it is deleted).
+# LLAMA_CPP_ISA=avx2 builds llama.cpp's AVX2 kernels instead (GGML_NATIVE off, AVX-512 and AVX-VNNI off) into
+# $SPECULANT_HOME/llama.cpp/VERSION-avx2: the peer of SPECULANT_ISA=avx2 on a CPU that has more
+# (scripts/decode_vs_llama_cpp.py --llama-cpp-bin FOLDER/bin).
+# Exit status: 0 built or cached; 2 an unknown LLAMA_CPP_ISA; 3 cmake or a compiler missing; 4 download failed;
+# 5 build failed (the log is kept beside the folder and a later call repeats the failure at once until it is
+# deleted).
 set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 PY=${PYTHON:-.venv/bin/python}
@@ -26,6 +30,13 @@ from speculant.hub import speculant_home
 from speculant.models.native import cpu_flags
 print(speculant_home(), hashlib.sha256(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:12])")
 BASE="$HOMEDIR/llama.cpp"
+case "${LLAMA_CPP_ISA:-native}" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) CPUKEY=avx2
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
+    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: choose native or avx2" >&2; exit 2 ;;
+esac
 DEST="$BASE/$VERSION-$CPUKEY"
 FAILED="$DEST.failed.log"
 GREEDY_HASH=$(sha256sum "$ROOT/scripts/llama_greedy.cpp" | cut -c1-12)
@@ -57,7 +68,7 @@ if [ ! -d "$DEST" ]; then
     START=$(date +%s)
     # LLAMA_CURL is a deprecated no-op in this version (it warns when set); OpenSSL is only for downloads.
     # The tools find their shared libraries beside them ($ORIGIN): the build tree is deleted.
-    if ! { nice -n 10 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    if ! { nice -n 10 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" \
                 -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
                 -DCMAKE_BUILD_RPATH='$ORIGIN' \
             && nice -n 10 cmake --build "$WORK/build" -j "$JOBS" --target llama-simple llama-speculative-simple \

@@ -8,6 +8,11 @@ engine's tok/s times the weight bytes a token reads (the file's, the same for bo
 decode uses, printed as a fraction of the round's mean `torch.sum` bandwidth: how far from the memory wall each is.
 
     .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin LLAMA_CPP/build/bin [--rounds 4] [--model M]
+
+Both engines' AVX2 kernels on a CPU that has more: `LLAMA_CPP_ISA=avx2 bash scripts/build_llama_cpp.sh` prints
+the folder of llama.cpp's AVX2 build, and SPECULANT_ISA=avx2 forces ours:
+
+    SPECULANT_ISA=avx2 .venv/bin/python scripts/decode_vs_llama_cpp.py --llama-cpp-bin FOLDER/bin --threads 2
 """
 
 from __future__ import annotations
