@@ -70,6 +70,27 @@ def test_heads_train_in_bf16_only_where_the_cpu_multiplies_it():
     assert Trainer(target.model, head, TrainConfig("eagle3")).bf16 == bf16_native()
 
 
+def test_no_bf16_where_torchs_kernels_are_capped_below_avx512(monkeypatch):
+    """A CPU with AVX512-BF16 whose torch runs capped to AVX2 (how a larger host measures AVX2 speed) emulates
+    bf16 again: training stays in float32 there."""
+    import torch
+
+    from speculant.models import native
+
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert native.bf16_native()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not native.bf16_native()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert native.bf16_native()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not native.bf16_native() and native.bf16_native(flags)  # another CPU's flags: hardware only
+
+
 def test_the_saved_head_is_the_best_held_out_one(tmp_path):
     """A head that got worse on held-out text after its best evaluation is not what the run leaves:
     the folder keeps the weights of the best evaluation, the run's last metrics beside them; a resumed

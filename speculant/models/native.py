@@ -57,10 +57,22 @@ def cpu_flags() -> set[str]:
 
 
 def bf16_native(flags: set[str] | None = None) -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it oneDNN emulates bf16
-    matmuls, many times slower than float32 ones (an AVX2 Zen 3 core: about 12x on a training step's shapes)."""
-    flags = cpu_flags() if flags is None else flags
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; `flags`: another CPU's). Without it oneDNN
+    emulates bf16 matmuls, many times slower than float32 ones (an AVX2 Zen 3 core: about 12x on a training step's
+    shapes). On this CPU, also whether torch may use them: $ATEN_CPU_CAPABILITY=avx2 or $ONEDNN_MAX_CPU_ISA=AVX2
+    (a larger CPU measuring its AVX2 speed) cap its kernels below them, and bf16 is emulated again."""
+    if flags is None:
+        if not _torch_reaches_avx512():
+            return False
+        flags = cpu_flags()
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags or "amx_bf16" in flags
+
+
+def _torch_reaches_avx512() -> bool:
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+        return False
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    return isa == "ALL" or isa.startswith(("AVX512", "AVX10", "AMX"))
 
 
 def cpu_ok() -> bool:
