@@ -39,7 +39,7 @@ def prefill_routes() -> tuple[str, ...]:
     flags = native.cpu_flags()
     x86 = ggml_available() and native.gq_library().gq_isa() >= 1
     ok = {"fused": x86, "gemm": x86,
-          "bf16": native.bf16_native(flags), "rows": True}
+          "bf16": native.bf16_native(), "rows": True}  # torch capped below AVX-512 emulates it
     order = ["bf16", "fused", "gemm", "rows"] if "amx_bf16" in flags else ["fused", "gemm", "bf16", "rows"]
     want = os.environ.get("SPECULANT_PREFILL", "").lower().replace("int8", "rows")
     if want and want not in ok:
