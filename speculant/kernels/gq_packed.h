@@ -138,14 +138,10 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
     const int64_t sbb = q5 ? PACK5_SB_BYTES : PACK_SB_BYTES;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * sbb;
-        /* A decode step's Q4_K (M = 1) asks for every other line on AVX-512 builds: half the prefetch instructions,
-         * and the lines between still arrive in time. Passes of several rows, Q6_K's output layer, and every pass
-         * of the 256-bit builds need every line: skipping lines made them slower (`scripts/linear_timing.py`,
-         * `scripts/kernel_ab.py`; docs/measurements.md "Kernel choices" and issue 49). The 256-bit builds spread
-         * them over the groups below (prefetch_spread). */
-#if GQ_512
-        prefetch_tile(o, sbb, q5 ? 8192 : 4096, q5 || R > 1 ? 64 : 128);
-#endif
+        /* Every build asks for the superblock ahead two lines a group (prefetch_spread), between the multiplies: a
+         * burst of the whole superblock's lines at its start stalled the core on its miss buffers, on the 256-bit
+         * builds (Zen 3) and on AVX-512 too (an Intel Xeon: a decode step 0.79x the burst's time; `scripts/kernel_ab.py`,
+         * docs/measurements.md "Kernel choices" and issue 49). */
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
@@ -155,9 +151,7 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
             SET_RV(Ih, R, NV, VI_ZERO());
 #pragma GCC unroll 8
             for (int g = 8 * j; g < 8 * j + 8; g++) {
-#if !GQ_512
                 prefetch_spread(o, sbb, q5 ? 8192 : 4096, g);
-#endif
                 vi_t wl[2], wh[2];
                 for (int v = 0; v < NV; v++) {
                     const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);
@@ -213,9 +207,6 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK6_SB_BYTES;
-#if GQ_512
-        prefetch_tile(o, PACK6_SB_BYTES, 8192, 64);
-#endif
         vi_t S[PACKED_MR][2], Mn[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         SET_RV(Mn, R, NV, VI_ZERO());
@@ -231,9 +222,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
 #pragma GCC unroll 4
             for (int f = 0; f < 4; f++) {
                 const int g = 4 * s + f;
-#if !GQ_512
                 prefetch_spread(o, PACK6_SB_BYTES, 8192, g);
-#endif
                 vi_t wl[2], wh[2];
                 for (int v = 0; v < NV; v++) {
                     const vi_t q = VI_LOAD(o + 64 * g + 4 * VL * v);

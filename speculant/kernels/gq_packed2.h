@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void packed2_rows(const int R, cons
     const int d_at = packed2_sc_at(q3) + 256;
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * sbb;
-        prefetch_tile(o, sbb, 4096, 64);
+        prefetch_tile(o, sbb, 4096);
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;

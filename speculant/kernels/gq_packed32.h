@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void packed32_rows(const int R, con
         const int h = (int)(b & 1);
         const uint8_t *o = tile + (b / 2) * pb, *q = o + h * qs;
         if (!h)
-            prefetch_tile(o, pb, 4096, 64);
+            prefetch_tile(o, pb, 4096);
         const int8_t *x = xq + 32 * b;
         vi_t I[PACKED_MR][2];
         for (int m = 0; m < R; m++)
@@ -237,7 +237,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
          * Q3_K_M file) */
         /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h); Q4_K on AVX2: 6 (gq_packed_i16.h) */
         const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED8 && t == Q6_K ? PACKED8_MR
-                         : PK_I16 && t == Q4_K ? PACKED_I16_MR : PACKED_MR;
+                         : PK_Q4K256 && t == Q4_K ? PACKED_I16_MR : PACKED_MR;
         const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;
         vf_t out[PACKED8_MR][2];
@@ -266,14 +266,14 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
-#if PK_I16 /* Q4_K on AVX2: gq_packed_i16.h's passes (mr above), out of line */
+#if PK_Q4K256 /* Q4_K on the 256-bit builds: gq_packed_i16.h's passes (mr above), out of line */
 #define PACKED_Q4K(R) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);
 #else
 #define PACKED_Q4K(R) packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
 #endif
 #define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
 #define PACKED_CASE(R)                                                                                        \
-    if (PK_I16 && t == Q4_K) { PACKED_Q4K(R) }                                                                \
+    if (PK_Q4K256 && t == Q4_K) { PACKED_Q4K(R) }                                                                \
     else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
     else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \

@@ -1,4 +1,4 @@
-/* Passes of 1..6 activation rows over packed Q4_K tiles on AVX2 builds without VNNI.
+/* Passes of 1..6 activation rows over packed Q4_K tiles on the 256-bit builds (AVX2, AVX-VNNI).
  * Part of gq.c, included at the end of gq_packed.h (its layouts, canonical forms and helpers).
  *
  * Why a kernel of its own: without VNNI each 32 products are one vpmaddubsw, and their int16 pair sums add with
@@ -16,15 +16,25 @@
 #ifndef SPECULANT_GQ_PACKED_I16_H
 #define SPECULANT_GQ_PACKED_I16_H
 
-#if PK_I16
+#if GQ_AVX2 && !GQ_512
+#define PK_Q4K256 1
 #define PACKED_I16_MR 6
 
+#if GQ_VNNI /* a sub-block's sums in int32 lanes (vpdpbusd), widened by its scale with vpmulld */
+#define Q4K_DP(a, w, x) _mm256_dpbusd_avx_epi32(a, w, x)
+#define Q4K_SCALES(s) (s)
+#define Q4K_WIDEN(I, s) VI_MULLO(I, s)
+#else
 /* a + vpmaddubsw(w, x): one instruction pair the compiler cannot reorder into a tree of sums */
 static inline __attribute__((always_inline)) vi_t maddubs_add(vi_t a, vi_t w, vi_t x) {
     vi_t t;
     __asm__("vpmaddubsw %[x], %[w], %[t]\n\tvpaddw %[t], %[a], %[a]" : [a] "+x"(a), [t] "=&x"(t) : [w] "x"(w), [x] "x"(x));
     return a;
 }
+#define Q4K_DP(a, w, x) maddubs_add(a, w, x)
+#define Q4K_SCALES(s) i16_scales(s)
+#define Q4K_WIDEN(I, s) _mm256_madd_epi16(I, s)
+#endif
 
 /* out[m][v] for R (1..6) activation rows of a Q4_K tile: packed_rows' arguments (q5 = 0) */
 static inline __attribute__((always_inline)) void packed_i16_rows(const int R, const uint8_t *tile, const int64_t nsb,
@@ -56,12 +66,12 @@ static inline __attribute__((always_inline)) void packed_i16_rows(const int R, c
                     }
                     for (int m = 0; m < R; m++) {
                         const vi_t xb = bcast4(x + m * K + 128 * h + 4 * g);
-                        for (int v = 0; v < 2; v++) I[m][v] = maddubs_add(I[m][v], w[v], xb);
+                        for (int v = 0; v < 2; v++) I[m][v] = Q4K_DP(I[m][v], w[v], xb);
                     }
                 }
                 for (int v = 0; v < 2; v++) {
-                    const vi_t sc = i16_scales(VI_U8_32(o + PK_SC + 16 * (j + 4 * h) + 8 * v));
-                    for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], _mm256_madd_epi16(I[m][v], sc));
+                    const vi_t sc = Q4K_SCALES(VI_U8_32(o + PK_SC + 16 * (j + 4 * h) + 8 * v));
+                    for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], Q4K_WIDEN(I[m][v], sc));
                 }
             }
         }
@@ -76,8 +86,13 @@ static __attribute__((noinline)) void packed_i16_pass(int64_t mc, const uint8_t 
                                                       const int8_t *xq, const int64_t K, const float *xd,
                                                       const int16_t *b32, vf_t out[][2]) {
     switch (mc) {
+#if GQ_VNNI
+    case 1: packed_rows(1, 0, tile, nsb, xq, K, xd, b32, out); break;
+    case 2: packed_rows(2, 0, tile, nsb, xq, K, xd, b32, out); break;
+#else
     case 1: packed_i16_rows(1, tile, nsb, xq, K, xd, b32, out); break;
     case 2: packed_i16_rows(2, tile, nsb, xq, K, xd, b32, out); break;
+#endif
     case 3: packed_i16_rows(3, tile, nsb, xq, K, xd, b32, out); break;
     case 4: packed_i16_rows(4, tile, nsb, xq, K, xd, b32, out); break;
     case 5: packed_i16_rows(5, tile, nsb, xq, K, xd, b32, out); break;
@@ -85,6 +100,7 @@ static __attribute__((noinline)) void packed_i16_pass(int64_t mc, const uint8_t 
     }
 }
 #else
+#define PK_Q4K256 0
 #define PACKED_I16_MR PACKED_MR
 #endif
 

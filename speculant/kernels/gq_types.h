@@ -103,13 +103,14 @@ static inline float rdh(const uint8_t *p) { return f16_to_f32(rd16(p)); }
 /* Repacked tiles (gq_packed*.h) ask for the lines `ahead` bytes past a tile's superblock (block pair) as it
  * starts, into L2 (prefetcht1), not L1: prefetcht0 of a whole superblock at once (40-53 lines) made every
  * pass of several rows compute-starved (`scripts/linear_timing.py --rows 4`; docs/measurements.md "Kernel
- * choices"). Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead rather than 4096.
- * `step` is 64 (every line) but for Q4_K at M = 1 on AVX-512 builds (gq_packed.h). No effect on results. */
-static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead, int step) {
+ * choices"). Q6_K's tiles are 3392 bytes a superblock, so it looks 8192 ahead rather than 4096. The block-pair and
+ * Q2_K/Q3_K tiles (gq_packed32.h, gq_packed2.h) ask this way; the Q4_K/Q5_K/Q6_K passes spread the same lines over
+ * their loops (prefetch_spread). No effect on results. */
+static inline __attribute__((always_inline)) void prefetch_tile(const uint8_t *o, int64_t bytes, int ahead) {
 #if defined(__GNUC__)
-    for (int64_t l = 0; l < bytes; l += step) __builtin_prefetch(o + ahead + l, 0, 2);
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(o + ahead + l, 0, 2);
 #else
-    (void)o; (void)bytes; (void)ahead; (void)step;
+    (void)o; (void)bytes; (void)ahead;
 #endif
 }
 
