@@ -197,6 +197,28 @@ static inline vi_t q6_scale_pairs(const uint8_t *sc, int v) {
 #endif
 }
 
+/* The end of superblock sb of a packed Q6_K tile o for R rows: Mn from the scales and the sums of x per 16, then the
+ * canonical two fused multiply-adds into acc */
+static inline __attribute__((always_inline)) void q6k_finish(const int R, const int NV, const uint8_t *o, vi_t S[][2],
+                                                             const int16_t *b16, const int64_t K, const int64_t sb,
+                                                             const float *xd, const int64_t nsb, vf_t acc[][2]) {
+    for (int v = 0; v < NV; v++) {
+        /* Mn by vpdpwssd on pairs of groups (2p, 2p + 1): 8 per row instead of 16 vpmulld and their adds
+         * (|sc| <= 128, |B16| <= 2032: exact in int32, so the same integer in any order). An extra row of a
+         * Q6_K layer costs about a quarter less this way (`scripts/row_cost.py --types Q4_K Q6_K`) */
+        vi_t sp[8];
+        for (int p = 0; p < 8; p++) sp[p] = q6_scale_pairs(o + P6_SC + 32 * p, v);
+        const vf_t D = VF_LOAD((const float *)(o + P6_D) + VL * v);
+        for (int m = 0; m < R; m++) {
+            vi_t Mn = VI_ZERO();
+            for (int p = 0; p < 8; p++) Mn = VDP_I16(Mn, sp[p], bcast4(b16 + m * (K / 16) + sb * 16 + 2 * p));
+            const vf_t ddx = VF_MUL(D, VF_SET1(xd[m * nsb + sb]));
+            acc[m][v] = VF_FMA(VF_CVT(S[m][v]), ddx, acc[m][v]);
+            acc[m][v] = VF_FNMA(VF_CVT(VI_SLLI32(Mn, 5)), ddx, acc[m][v]);
+        }
+    }
+}
+
 /* packed_rows for Q6_K: b16 [R][K / 16] (sums of x per 16). */
 static inline __attribute__((always_inline)) void packed6_rows(const int R, const uint8_t *tile, const int64_t nsb,
                                                                const int8_t *xq, const int64_t K, const float *xd,
@@ -207,9 +229,8 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
     const vi_t lo4 = VI_SET1(0x0f0f0f0f);
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *o = tile + sb * PACK6_SB_BYTES;
-        vi_t S[PACKED_MR][2], Mn[PACKED_MR][2];
+        vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
-        SET_RV(Mn, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;
         for (int s = 0; s < 8; s++) { /* groups s (values 16s ..) and 8 + s (128 + 16s ..) */
             vi_t Il[PACKED_MR][2], Ih[PACKED_MR][2], hl[2], hh[2];
@@ -240,24 +261,7 @@ static inline __attribute__((always_inline)) void packed6_rows(const int R, cons
                     S[m][v] = VI_ADD(S[m][v], VI_ADD(VI_MULLO(Il[m][v], scl), VI_MULLO(Ih[m][v], sch)));
             }
         }
-        for (int v = 0; v < NV; v++) {
-            /* Mn by vpdpwssd on pairs of groups (2p, 2p + 1): 8 per row instead of 16 vpmulld and their adds
-             * (|sc| <= 128, |B16| <= 2032: exact in int32, so the same integer in any order). An extra row of a
-             * Q6_K layer costs about a quarter less this way (`scripts/row_cost.py --types Q4_K Q6_K`) */
-            vi_t sp[8];
-            for (int p = 0; p < 8; p++) sp[p] = q6_scale_pairs(o + P6_SC + 32 * p, v);
-            for (int m = 0; m < R; m++)
-                for (int p = 0; p < 8; p++)
-                    Mn[m][v] = VDP_I16(Mn[m][v], sp[p], bcast4(b16 + m * (K / 16) + sb * 16 + 2 * p));
-        }
-        for (int v = 0; v < NV; v++) {
-            const vf_t D = VF_LOAD((const float *)(o + P6_D) + VL * v);
-            for (int m = 0; m < R; m++) {
-                const vf_t ddx = VF_MUL(D, VF_SET1(xd[m * nsb + sb]));
-                acc[m][v] = VF_FMA(VF_CVT(S[m][v]), ddx, acc[m][v]);
-                acc[m][v] = VF_FNMA(VF_CVT(VI_SLLI32(Mn[m][v], 5)), ddx, acc[m][v]);
-            }
-        }
+        q6k_finish(R, NV, o, S, b16, K, sb, xd, nsb, acc);
     }
     COPY_RV(out, acc, R, NV);
 }

@@ -272,10 +272,17 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_Q4K(R) packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
 #endif
 #define RN(R) ((R) > PACKED_MR ? PACKED_MR : (R)) /* the narrow kernels' R (dead code above PACKED_MR) */
+#if PACKED8 && GQ_VNNI /* Q6_K passes of 2..4 rows on AVX-VNNI: one nibble half at a time (gq_packed8.h) */
+#define PACKED_Q6K(R)                                                                                         \
+    if ((R) > 1) packed6_half_rows(RN(R), tile, nsb, x, K, d, s16, out);                                      \
+    else packed6_rows(1, tile, nsb, x, K, d, s16, out);
+#else
+#define PACKED_Q6K(R) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);
+#endif
 #define PACKED_CASE(R)                                                                                        \
     if (PK_Q4K256 && t == Q4_K) { PACKED_Q4K(R) }                                                                \
     else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
-    else if (t == Q6_K) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);                                    \
+    else if (t == Q6_K) { PACKED_Q6K(R) }                                                                     \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q5_K) packed_rows(RN(R), 1, tile, nsb, x, K, d, s32, out);                                  \
@@ -285,6 +292,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #undef PK_SWITCH
 #undef PACKED_WIDE
 #undef PACKED_Q4K
+#undef PACKED_Q6K
 #undef PACKED_CASE
         }
         store_rows(out, (int)mc, 1, bias, cols, contiguous, y + m0 * N, N);

@@ -1,4 +1,5 @@
-/* Passes of 5..8 activation rows over packed Q6_K tiles on the 256-bit builds (AVX2, AVX-VNNI).
+/* Passes of 5..8 activation rows over packed Q6_K tiles on the 256-bit builds (AVX2, AVX-VNNI), and of 2..4 on
+ * AVX-VNNI.
  * Part of gq.c, included at the end of gq_packed.h (its layouts, canonical forms and helpers).
  *
  * Why: gq_packed.h's passes keep a sub-block's chains for both half-tiles (8 lanes each) and both nibble halves
@@ -78,6 +79,54 @@ static inline __attribute__((always_inline)) void packed8_6_rows(const int R, co
     }
     COPY_RV(out, acc, R, 2);
 }
+
+#if GQ_VNNI
+/* out[m][v] for R (2..4) activation rows of a Q6_K tile on AVX-VNNI: packed6_rows' arguments. packed6_rows keeps both
+ * nibble halves' chains live (4 a row: 16 registers at 4 rows, and they spilled); here one half at a time (groups
+ * 8h .. 8h + 7), 2 chains a row, as gq_packed_i16.h does for Q4_K. An extra row of a Q6_K layer costs about 3/4 of
+ * packed6_rows' at 2-4 rows (`scripts/row_cost.py --types Q6_K --rows 2 3 4`); on AVX2 without VNNI it was no
+ * faster in a model's passes (`scripts/kernel_ab.py`; docs/measurements.md, issue 49). */
+static inline __attribute__((always_inline)) void packed6_half_rows(const int R, const uint8_t *tile, const int64_t nsb,
+                                                                    const int8_t *xq, const int64_t K, const float *xd,
+                                                                    const int16_t *b16, vf_t out[][2]) {
+    vf_t acc[4][2];
+    SET_RV(acc, R, 2, VF_ZERO());
+    const vi_t lo4 = VI_SET1(0x0f0f0f0f);
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *o = tile + sb * PACK6_SB_BYTES;
+        const int8_t *x = xq + sb * 256;
+        vi_t S[4][2];
+        SET_RV(S, R, 2, VI_ZERO());
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 8; s++) { /* group 8h + s: values 128h + 16s .. */
+                const int G = 8 * h + s;
+                vi_t I[4][2], hq[2];
+                SET_RV(I, R, 2, VI_ZERO());
+                for (int v = 0; v < 2; v++) hq[v] = VI_LOAD(o + P6_QH + 64 * G + 32 * v);
+#pragma GCC unroll 4
+                for (int f = 0; f < 4; f++) {
+                    if (!h) prefetch_spread(o, PACK6_SB_BYTES, 8192, 4 * s + f);
+                    vi_t w[2];
+                    for (int v = 0; v < 2; v++) {
+                        const vi_t q = VI_LOAD(o + 64 * (4 * s + f) + 32 * v);
+                        w[v] = VI_OR(VI_AND(h ? VI_SRLI16(q, 4) : q, lo4), q6_high(hq[v], f));
+                    }
+                    for (int m = 0; m < R; m++) {
+                        const vi_t xb = bcast4(x + m * K + 128 * h + 16 * s + 4 * f);
+                        for (int v = 0; v < 2; v++) I[m][v] = VDP_U8(I[m][v], w[v], xb);
+                    }
+                }
+                for (int v = 0; v < 2; v++) {
+                    const vi_t sc = VI_I8_32(o + P6_SC + 16 * G + 8 * v);
+                    for (int m = 0; m < R; m++) S[m][v] = VI_ADD(S[m][v], VI_MULLO(I[m][v], sc));
+                }
+            }
+        q6k_finish(R, 2, o, S, b16, K, sb, xd, nsb, acc);
+    }
+    COPY_RV(out, acc, R, 2);
+}
+#endif
 #else
 #define PACKED8 0
 #define PACKED8_MR PACKED_MR

@@ -115,8 +115,7 @@ class GGMLLinear(QLinear):
         y = torch.empty(M, self.out_features, dtype=torch.float32)
         if not M:  # no rows (a prefill that wants no logits): nothing to multiply, nothing to repack
             return y
-        route = "rows" if M <= SHORT_PASS_MAX else next(
-            r for r in prefill_routes() if r in LINEAR_ROUTES and (r != "gemm" or self._gemm))
+        route = "rows" if M <= SHORT_PASS_MAX else self._long_route()
         table = self.table
         if route == "bf16":
             return self._forward_dequantized(x)
@@ -127,6 +126,17 @@ class GGMLLinear(QLinear):
         if rc:
             raise SpeculantError(_ERRORS.get(rc, f"the GGML matmul failed ({rc})"))
         return y
+
+    def _long_route(self) -> str:
+        """The route of a pass of more than SHORT_PASS_MAX rows (a prompt's, an output layer's over a prompt)."""
+        return next(r for r in prefill_routes() if r in LINEAR_ROUTES and (r != "gemm" or self._gemm))
+
+    @property
+    def thread_invariant(self) -> bool:
+        """The integer kernels sum each output on one thread; oneDNN's matmul (the "bf16" route) splits a long K
+        over its threads, so a prompt's bits there change with the thread count (an AMX host, where that route comes
+        first: tests/test_threads.py). The engine then keeps its thread count (threads.ThreadShare)."""
+        return self._long_route() != "bf16"
 
     def _forward_dequantized(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, N]
         """The "bf16" route: block types' weights dequantized a chunk at a time into bf16 and multiplied by oneDNN.
