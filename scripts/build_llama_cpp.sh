@@ -11,7 +11,8 @@
 # one lock; the finished folder appears by an atomic rename, so a half-built folder is never used.
 # LLAMA_CPP_ISA=avx2 builds llama.cpp's AVX2 kernels instead (GGML_NATIVE off, AVX-512 and AVX-VNNI off) into
 # $SPECULANT_HOME/llama.cpp/VERSION-avx2: the peer of SPECULANT_ISA=avx2 on a CPU that has more
-# (scripts/decode_vs_llama_cpp.py --llama-cpp-bin FOLDER/bin).
+# (scripts/decode_vs_llama_cpp.py --llama-cpp-bin FOLDER/bin). LLAMA_CPP_ISA=avxvnni adds AVX-VNNI to those
+# (VERSION-avxvnni), the peer of SPECULANT_ISA=avxvnni.
 # Exit status: 0 built or cached; 2 an unknown LLAMA_CPP_ISA; 3 cmake or a compiler missing; 4 download failed;
 # 5 build failed (the log is kept beside the folder and a later call repeats the failure at once until it is
 # deleted).
@@ -31,11 +32,22 @@ from speculant.models.native import cpu_flags
 print(speculant_home(), hashlib.sha256(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:12])")
 BASE="$HOMEDIR/llama.cpp"
 case "${LLAMA_CPP_ISA:-native}" in
-    native) ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON)
+            # ggml's AMX kernels (the extra buffer type of a native build on a CPU with AMX) died of SIGILL at
+            # their first tilezero in prompt passes on an Intel Xeon VM where AMX itself runs (llama-greedy on
+            # SmolLM2 and the Q8_0 test files): there the reference is built without them, in a folder of its own
+            if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+                ISA_FLAGS+=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                            -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+                CPUKEY="$CPUKEY-noamx"
+            fi ;;
     avx2) CPUKEY=avx2
           ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
                      -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF) ;;
-    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: choose native or avx2" >&2; exit 2 ;;
+    avxvnni) CPUKEY=avxvnni
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX512=OFF -DGGML_AVX_VNNI=ON) ;;
+    *) echo "LLAMA_CPP_ISA=$LLAMA_CPP_ISA: choose native, avx2 or avxvnni" >&2; exit 2 ;;
 esac
 DEST="$BASE/$VERSION-$CPUKEY"
 FAILED="$DEST.failed.log"
