@@ -84,9 +84,10 @@ def test_eagle_trees_stay_inside_the_context_when_the_head_is_certain(method, tm
     assert done.stats.drafted_tokens > 0
 
 
-def test_thread_counts_follow_load_only_where_every_model_is_thread_invariant(monkeypatch, tmp_path):
+def test_thread_counts_follow_load_only_where_every_model_is_thread_invariant(monkeypatch, tmp_path, prefill_route):
     """A float32 draft or head sums by the thread count: its q and trees would change under load."""
     monkeypatch.delenv("SPECULANT_THREADS", raising=False)
+    prefill_route("rows")  # the integer kernels' prompts on any host (AMX puts oneDNN's bf16 route first)
     target = tiny_model(32, seed=1, fmt="q8_0")
     assert Engine(target)._share is not None  # the control: a thread-invariant target alone follows the load
     assert Engine(target, tiny_model(32, seed=2, fmt="q4_0"), MethodConfig("draft"))._share is not None
