@@ -25,18 +25,19 @@ JOBS=${JOBS:-$(nproc)}
 for tool in cmake cc c++; do
     command -v "$tool" >/dev/null || { echo "llama.cpp build: '$tool' not found on PATH" >&2; exit 3; }
 done
-read -r HOMEDIR CPUKEY < <(cd "$ROOT" && "$PY" -c "
+read -r HOMEDIR CPUKEY AMX < <(cd "$ROOT" && "$PY" -c "
 import hashlib
 from speculant.hub import speculant_home
 from speculant.models.native import cpu_flags
-print(speculant_home(), hashlib.sha256(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:12])")
+f = cpu_flags()
+print(speculant_home(), hashlib.sha256(' '.join(sorted(f)).encode()).hexdigest()[:12], int('amx_int8' in f))")
 BASE="$HOMEDIR/llama.cpp"
 case "${LLAMA_CPP_ISA:-native}" in
     native) ISA_FLAGS=(-DGGML_NATIVE=ON)
             # ggml's AMX kernels (the extra buffer type of a native build on a CPU with AMX) died of SIGILL at
             # their first tilezero in prompt passes on an Intel Xeon VM where AMX itself runs (llama-greedy on
             # SmolLM2 and the Q8_0 test files): there the reference is built without them, in a folder of its own
-            if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+            if [ "$AMX" = 1 ]; then
                 ISA_FLAGS+=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
                             -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
                 CPUKEY="$CPUKEY-noamx"

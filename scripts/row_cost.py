@@ -29,12 +29,12 @@ ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="row c
 args = ap.parse_args()
 torch.set_num_threads(1)
 dots = args.n * args.k / 64
+rows = sorted(set([1] + args.rows))
 print(f"{args.n} x {args.k}, 1 thread, best decile of {args.repeats} calls")
 for name in args.types:
     t = T[name]
     lin = GGMLLinear([Part(int(t), random_blocks(t, args.n, args.k, seed=1))], args.k, pack=True)
     us = {}
-    rows = sorted(set([1] + args.rows))
     for m in rows:
         x = torch.randn(m, args.k)
         lin(x)

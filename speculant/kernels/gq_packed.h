@@ -100,10 +100,7 @@ static inline vi_t with_bit(vi_t w, vi_t h, int b, int tb) {
  * Q4_K passes there (gq_packed_i16.h) keep each sub-block's pair sums in int16 and widen them once per sub-block,
  * by vpmaddwd with the sub-block's scales (i16_scales: the scale in both halves of each lane; no vpmulld). */
 #if !GQ_VNNI
-#define PK_I16 1
 static inline vi_t i16_scales(vi_t s) { return VI_OR(s, VI_SLLI32(s, 16)); } /* s < 2^15 in each int32 lane */
-#else
-#define PK_I16 0
 #endif
 
 /* The end of superblock sb of a packed Q4_K/Q5_K tile o for R rows: Mn from the mins and the sums of x per 32, then

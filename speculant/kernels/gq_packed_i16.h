@@ -1,4 +1,4 @@
-/* Passes of 1..6 activation rows over packed Q4_K tiles on the 256-bit builds (AVX2, AVX-VNNI).
+/* Passes of 1..6 activation rows over packed Q4_K tiles on the 256-bit builds (AVX2; AVX-VNNI from 3 rows).
  * Part of gq.c, included at the end of gq_packed.h (its layouts, canonical forms and helpers).
  *
  * Why a kernel of its own: without VNNI each 32 products are one vpmaddubsw, and their int16 pair sums add with
@@ -8,7 +8,10 @@
  * rows spilled their sums, and an extra row cost about twice what its instructions need (`scripts/row_cost.py`;
  * docs/measurements.md, issue 49). Here a pass keeps one nibble half live at a time (2 chains a row; each weight
  * vector is loaded once per half, from L1), and each multiply-add is one asm pair (maddubs_add), so every sum stays
- * one chain in a register for up to 6 rows.
+ * one chain in a register for up to 6 rows. AVX-VNNI's vpdpbusd sums a sub-block in int32 lanes, widened by vpmulld
+ * with its scale; there the same one-half-at-a-time loop took 0.93x (4 rows) and 0.88x (8) of gq_packed.h's passes'
+ * time in a model's forward, but 1.06x at 2 rows, so 1-2 rows keep packed_rows (`scripts/kernel_ab.py`;
+ * docs/measurements.md, issue 49).
  *
  * The integers are gq_packed.h's exact S and Mn, summed in another order (exact: the same integers), and the float
  * work per (superblock, row, lane) is the same two fused multiply-adds in superblock order, so a row's bits do not
@@ -80,7 +83,7 @@ static inline __attribute__((always_inline)) void packed_i16_rows(const int R, c
     COPY_RV(out, acc, R, 2);
 }
 
-/* packed_i16_rows for mc = 1..6 rows, out of line: inlined into packed_tile's row switch, its bodies changed gcc's code
+/* Q4_K's 256-bit passes for mc = 1..6 rows (AVX-VNNI's 1-2 rows: packed_rows), out of line: inlined into packed_tile's row switch, its bodies changed gcc's code
  * for the other types' passes there (`scripts/kernel_ab.py --types Q5_0`; docs/measurements.md, issue 49) */
 static __attribute__((noinline)) void packed_i16_pass(int64_t mc, const uint8_t *tile, const int64_t nsb,
                                                       const int8_t *xq, const int64_t K, const float *xd,
