@@ -35,8 +35,8 @@ BASE="$HOMEDIR/llama.cpp"
 case "${LLAMA_CPP_ISA:-native}" in
     native) ISA_FLAGS=(-DGGML_NATIVE=ON)
             # ggml's AMX kernels (the extra buffer type of a native build on a CPU with AMX) died of SIGILL at
-            # their first tilezero in prompt passes on an Intel Xeon VM where AMX itself runs (llama-greedy on
-            # SmolLM2 and the Q8_0 test files): there the reference is built without them, in a folder of its own
+            # their first tilezero in prompt passes on a VM where AMX itself runs (llama-greedy on SmolLM2 and the
+            # Q8_0 test files; docs/measurements.md): there the reference is built without them, in its own folder
             if [ "$AMX" = 1 ]; then
                 ISA_FLAGS+=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
                             -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")

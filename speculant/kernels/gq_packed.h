@@ -137,8 +137,8 @@ static inline __attribute__((always_inline)) void packed_rows(const int R, const
         const uint8_t *o = tile + sb * sbb;
         /* Every build asks for the superblock ahead two lines a group (prefetch_spread), between the multiplies: a
          * burst of the whole superblock's lines at its start stalled the core on its miss buffers, on the 256-bit
-         * builds (Zen 3) and on AVX-512 too (an Intel Xeon: a decode step 0.79x the burst's time; `scripts/kernel_ab.py`,
-         * docs/measurements.md "Kernel choices" and issue 49). */
+         * builds and on AVX-512 too, where a decode step got faster by a fifth (`scripts/kernel_ab.py`;
+         * docs/measurements.md, issue 49). */
         vi_t S[PACKED_MR][2];
         SET_RV(S, R, NV, VI_ZERO());
         const int8_t *x = xq + sb * 256;

@@ -83,9 +83,9 @@ static inline __attribute__((always_inline)) void packed8_6_rows(const int R, co
 #if GQ_VNNI
 /* out[m][v] for R (2..4) activation rows of a Q6_K tile on AVX-VNNI: packed6_rows' arguments. packed6_rows keeps both
  * nibble halves' chains live (4 a row: 16 registers at 4 rows, and they spilled); here one half at a time (groups
- * 8h .. 8h + 7), 2 chains a row, as gq_packed_i16.h does for Q4_K. An extra row of a Q6_K layer costs about 3/4 of
- * packed6_rows' at 2-4 rows (`scripts/row_cost.py --types Q6_K --rows 2 3 4`); on AVX2 without VNNI it was no
- * faster in a model's passes (`scripts/kernel_ab.py`; docs/measurements.md, issue 49). */
+ * 8h .. 8h + 7), 2 chains a row, as gq_packed_i16.h does for Q4_K: extra rows cost less than packed6_rows' at 2-4
+ * rows (`scripts/row_cost.py --types Q6_K --rows 2 3 4`); on AVX2 without VNNI it was no faster in a model's passes
+ * (`scripts/kernel_ab.py`; docs/measurements.md, issue 49). */
 static inline __attribute__((always_inline)) void packed6_half_rows(const int R, const uint8_t *tile, const int64_t nsb,
                                                                     const int8_t *xq, const int64_t K, const float *xd,
                                                                     const int16_t *b16, vf_t out[][2]) {

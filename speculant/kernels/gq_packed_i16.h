@@ -9,9 +9,8 @@
  * docs/measurements.md, issue 49). Here a pass keeps one nibble half live at a time (2 chains a row; each weight
  * vector is loaded once per half, from L1), and each multiply-add is one asm pair (maddubs_add), so every sum stays
  * one chain in a register for up to 6 rows. AVX-VNNI's vpdpbusd sums a sub-block in int32 lanes, widened by vpmulld
- * with its scale; there the same one-half-at-a-time loop took 0.93x (4 rows) and 0.88x (8) of gq_packed.h's passes'
- * time in a model's forward, but 1.06x at 2 rows, so 1-2 rows keep packed_rows (`scripts/kernel_ab.py`;
- * docs/measurements.md, issue 49).
+ * with its scale; there the same one-half-at-a-time loop beat gq_packed.h's passes from 3 rows on in a model's
+ * forward but not at 2, so 1-2 rows keep packed_rows (`scripts/kernel_ab.py`; docs/measurements.md, issue 49).
  *
  * The integers are gq_packed.h's exact S and Mn, summed in another order (exact: the same integers), and the float
  * work per (superblock, row, lane) is the same two fused multiply-adds in superblock order, so a row's bits do not
