@@ -235,9 +235,9 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
         /* Q2_K/Q3_K: at most 5 rows a pass (their 16-value groups keep more accumulators live: 6 or more rows
          * spill, and one pass of 8 rows took longer than two of 4; `scripts/linear_timing.py --rows 8` on a
          * Q3_K_M file) */
-        /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h); Q4_K on AVX2: 6 (gq_packed_i16.h) */
+        /* Q6_K on the 256-bit builds: up to 8 rows a pass (gq_packed8.h); Q4_K on them 6, on AVX-512 8 (gq_packed_i16.h) */
         const int64_t mr = (t == Q2_K || t == Q3_K) && PACKED_MR > 5 ? 5 : PACKED8 && t == Q6_K ? PACKED8_MR
-                         : PK_Q4K256 && t == Q4_K ? PACKED_I16_MR : PACKED_MR;
+                         : PK_Q4K_HALF && t == Q4_K ? PACKED_I16_MR : PACKED_MR;
         const int64_t passes = (M - m0 + mr - 1) / mr;
         mc = (M - m0 + passes - 1) / passes;
         vf_t out[PACKED8_MR][2];
@@ -266,7 +266,11 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
-#if PK_Q4K256 /* Q4_K on the 256-bit builds: gq_packed_i16.h's passes (mr above), out of line */
+#if PK_Q4K_HALF && GQ_512 /* Q4_K passes of 5..8 rows on AVX-512: gq_packed_i16.h's, out of line */
+#define PACKED_Q4K(R)                                                                                         \
+    if ((R) > 4) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);                                            \
+    else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
+#elif PK_Q4K_HALF /* Q4_K on the 256-bit builds: gq_packed_i16.h's passes (mr above), out of line */
 #define PACKED_Q4K(R) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);
 #else
 #define PACKED_Q4K(R) packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
@@ -280,7 +284,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_Q6K(R) packed6_rows(RN(R), tile, nsb, x, K, d, s16, out);
 #endif
 #define PACKED_CASE(R)                                                                                        \
-    if (PK_Q4K256 && t == Q4_K) { PACKED_Q4K(R) }                                                                \
+    if (PK_Q4K_HALF && !GQ_512 && t == Q4_K) { PACKED_Q4K(R) }                                                 \
     else if ((R) > PACKED_MR) { PACKED_WIDE(R) }                                                              \
     else if (t == Q6_K) { PACKED_Q6K(R) }                                                                     \
     else if (t == Q3_K) packed2_rows(RN(R), 1, tile, nsb, x, K, d, s16, out);                                 \
