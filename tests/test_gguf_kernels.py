@@ -99,6 +99,39 @@ def test_dequantized_rows_are_the_gguf_packages_bit_for_bit(t):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_a_files_tensors_dequantize_as_the_gguf_package_does(tmp_path, monkeypatch):
+    """Float32 and int8 conversions of a .gguf file dequantize its 2-D tensors with the kernels
+    (ggml_blocks.dequantize): the gguf package's floats bit for bit, for every type and build; a 1-D tensor
+    goes to the package. A tensor changed by one bit after the write is seen (the control)."""
+    import gguf
+
+    from speculant.gguf_file import GGUFFile
+    from speculant.models.formats import ggml_blocks
+
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for i, t in enumerate(TYPES):
+        w.add_tensor(t.name, random_blocks(t, 5, 512, seed=40 + i), raw_dtype=t)
+    w.add_tensor("vec", np.arange(7, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    assert len(f.tensors) == len(TYPES) + 1
+    for name, lib in builds():
+        monkeypatch.setattr(native, "gq_library", lambda lib=lib: lib)
+        for t in f.tensors:
+            got, want = ggml_blocks.dequantize(f, t), f.dequantize(t)
+            assert got.shape == want.shape and got.dtype == want.dtype == np.float32, (name, t.name)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, t.name)
+    q4k = f.by_name["Q4_K"]
+    flipped = np.array(f.raw(q4k))
+    flipped[20] ^= 1  # a quant bit of the first row
+    assert not np.array_equal(quants.dequantize(flipped.reshape(5, -1), T.Q4_K).reshape(5, 512),
+                              ggml_blocks.dequantize(f, q4k))
+
+
 def dequant_range(lib, t: int, data: np.ndarray, k: int, bf16: bool) -> torch.Tensor:
     out = torch.empty(data.shape[0], k, dtype=torch.bfloat16 if bf16 else torch.float32)
     assert lib.gq_dequant_range(t, data.ctypes.data, data.shape[1], k, 0, data.shape[0], out.data_ptr(), int(bf16), 2) == 0

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..gguf_file import GGUFFile
 from .config import ModelConfig
+from .formats.ggml_blocks import dequantize
 from .gemma4 import Gemma4Model
 from .gemma4_config import Gemma4Config
 from .gemma4_load import build_gemma4, expected_shapes
@@ -188,7 +189,7 @@ class Gemma4GGUFSource:
 
     def get(self, name: str) -> Tensor:
         """Float32 tensor by canonical name, [out, in] for matrices (GGUF stores [in, out] innermost first)."""
-        return torch.from_numpy(self.file.dequantize(self.tensors[gguf_name(name)]))
+        return torch.from_numpy(dequantize(self.file, self.tensors[gguf_name(name)]))
 
     def part(self, name: str):
         """A matrix's raw blocks (formats.ggml_blocks.Part), rows = output features, memory-mapped."""

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..gguf_file import GGUFFile, GGUFTensor
 from .config import ModelConfig
+from .formats.ggml_blocks import dequantize
 
 _LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
@@ -201,7 +202,7 @@ class GGUFSource:
         return f"blk.{i}.{_LAYER_NAMES[part]}"
 
     def _load(self, t: GGUFTensor) -> np.ndarray:
-        return self.file.dequantize(t)
+        return dequantize(self.file, t)
 
 
 def unpermute(w: Tensor, n_heads: int) -> Tensor:

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..errors import SpeculantError
 from ..gguf_file import GGUFFile, GGUFTensor, architecture
 from .formats.base import QLinear
+from .formats.ggml_blocks import dequantize
 from .qwen35_config import Qwen35Config
 
 ARCH = "qwen35"
@@ -245,7 +246,7 @@ class Qwen35GGUFSource:
 
     def get(self, name: str) -> Tensor:
         """Float32 tensor by HF name, in HF layout ([out, in]; the conv [C, K])."""
-        return torch.from_numpy(self.file.dequantize(self._tensor(name)))
+        return torch.from_numpy(dequantize(self.file, self._tensor(name)))
 
     def neg_a(self, prefix: str) -> Tensor:
         return self.get(prefix + "neg_A")

@@ -12,6 +12,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ...errors import SpeculantError
+from ...gguf_file import GGUFFile, GGUFTensor
 from .. import native
 
 # --dtype names that quantize float weights into a GGML type on load: the K-quants by kernels/kquant.c
@@ -48,6 +49,28 @@ class Part:
     @property
     def rows(self) -> int:
         return self.data.shape[0]
+
+
+def dequantize(file: GGUFFile, t: GGUFTensor) -> np.ndarray:
+    """Float32 array of tensor t as `file.dequantize(t)` gives it (the gguf package's values, bit for bit:
+    tests/test_gguf_kernels.py). A 2-D tensor of a type the kernels read is dequantized by them on torch's threads,
+    much faster than the gguf package's numpy, which took a quarter of a float32 or int8 conversion's time
+    (docs/measurements.md, "Test suite time"); the rest goes to the gguf package."""
+    if len(t.shape) == 2:
+        lib = native.gq_library()
+        qtype = int(t.tensor_type)
+        k, rows = t.shape
+        block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] if qtype in _KNOWN_TYPES else 0
+        if block and k % block == 0 and lib.gq_supported(qtype):
+            data = file.raw(t).reshape(rows, row_bytes(qtype, k))
+            out = np.empty((rows, k), np.float32)
+            if lib.gq_dequant_range(qtype, data.ctypes.data, data.shape[1], k, 0, rows, out.ctypes.data, 0,
+                                    torch.get_num_threads()) == 0:
+                return out
+    return file.dequantize(t)
+
+
+_KNOWN_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
 
 
 def row_bytes(qtype: int, k: int) -> int:

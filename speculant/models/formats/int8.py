@@ -27,9 +27,14 @@ REDUCE_RANGE = False
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Per-output-channel symmetric: weight[N, K] -> (q[N, K] int8 in +-WEIGHT_MAX, scale[N] fp32)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / WEIGHT_MAX).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)
+    scale = (_absmax(w, 1) / WEIGHT_MAX).clamp_min(1e-12)
+    q = torch.div(w, scale[:, None]).round_().clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)  # one temporary, not two
     return q, scale
+
+
+def _absmax(w: Tensor, dim: int) -> Tensor:
+    """w.abs().amax(dim), without the |w| temporary the size of the weight (a conversion allocates gigabytes)"""
+    return torch.maximum(w.amax(dim=dim), w.amin(dim=dim).neg())
 
 
 def smoothing_scales(act_absmax: Tensor, weight: Tensor, alpha: float = 0.5) -> Tensor:
@@ -38,7 +43,7 @@ def smoothing_scales(act_absmax: Tensor, weight: Tensor, alpha: float = 0.5) -> 
     Activation outlier channels are divided down and the weights' matching columns scaled up, so the
     per-row activation range is no longer set by a few huge channels.
     """
-    w_max = weight.float().abs().amax(dim=0).clamp_min(1e-5)  # [K]
+    w_max = _absmax(weight.float(), 0).clamp_min(1e-5)  # [K]
     a_max = act_absmax.float().clamp_min(1e-5)
     return (a_max.pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
 
