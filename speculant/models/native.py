@@ -312,9 +312,11 @@ def gq_library() -> ctypes.CDLL:
     except SpeculantError as e:
         if forced is not None:  # the build asked for by name: no silent substitute
             raise
-        if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
-            _warn_once(f"speculant: {e}; the portable C kernels run instead (the same results, many times slower)")
-    return portable_library()
+        why = e
+    lib = portable_library()  # said only once it runs: without a compiler neither build does
+    if supported_isas():  # an x86 CPU whose builds failed: say so once, not a silent slowdown
+        _warn_once(f"speculant: {why}; the portable C kernels run instead (the same results, many times slower)")
+    return lib
 
 
 def kernel_build() -> str:
