@@ -266,11 +266,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
 #define PACKED_WIDE(R)
 #define PK_SWITCH PACKED_SWITCH
 #endif
-#if PK_Q4K_HALF && GQ_512 /* Q4_K passes of 5..8 rows on AVX-512: gq_packed_i16.h's, out of line */
-#define PACKED_Q4K(R)                                                                                         \
-    if ((R) > 4) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);                                            \
-    else packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
-#elif PK_Q4K_HALF /* Q4_K on the 256-bit builds: gq_packed_i16.h's passes (mr above), out of line */
+#if PK_Q4K_HALF && !GQ_512 /* Q4_K on the 256-bit builds: gq_packed_i16.h's passes (mr above), out of line */
 #define PACKED_Q4K(R) packed_i16_pass(R, tile, nsb, x, K, d, s32, out);
 #else
 #define PACKED_Q4K(R) packed_rows(RN(R), 0, tile, nsb, x, K, d, s32, out);
@@ -291,6 +287,11 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     else if (t == Q2_K) packed2_rows(RN(R), 0, tile, nsb, x, K, d, s16, out);                                 \
     else if (t == Q5_K) packed_rows(RN(R), 1, tile, nsb, x, K, d, s32, out);                                  \
     else { PACKED_Q4K(R) }
+#if PK_Q4K_HALF && GQ_512 /* Q4_K passes of 5..8 rows on AVX-512: gq_packed_i16.h's, out of line, taken before the
+                           * switch, whose cases stay as they were (changed, they moved the 1-row pass's code) */
+            if (t == Q4_K && mc > 4) packed_i16_pass(mc, tile, nsb, x, K, d, s32, out);
+            else
+#endif
             PK_SWITCH(mc, PACKED_CASE);
 #undef RN
 #undef PK_SWITCH
