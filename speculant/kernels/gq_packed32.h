@@ -288,7 +288,7 @@ static void packed_tile(int t, const uint8_t *tile, int64_t M, const xquant *X, 
     else if (t == Q5_K) packed_rows(RN(R), 1, tile, nsb, x, K, d, s32, out);                                  \
     else { PACKED_Q4K(R) }
 #if PK_Q4K_HALF && GQ_512 /* Q4_K passes of 5..8 rows on AVX-512: gq_packed_i16.h's, out of line, taken before the
-                           * switch, whose cases stay as they were (changed, they moved the 1-row pass's code) */
+                           * switch, whose cases stay as they were (a call inside them moved the 1..4-row passes' code) */
             if (t == Q4_K && mc > 4) packed_i16_pass(mc, tile, nsb, x, K, d, s32, out);
             else
 #endif

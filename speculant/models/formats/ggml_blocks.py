@@ -56,24 +56,19 @@ def dequantize(file: GGUFFile, t: GGUFTensor) -> np.ndarray:
     tests/test_gguf_kernels.py). A 2-D tensor of a type the kernels read is dequantized by them on torch's threads,
     much faster than the gguf package's numpy, which took a quarter of a float32 or int8 conversion's time
     (docs/measurements.md, "Test suite time"); the rest goes to the gguf package."""
-    try:
-        lib = native.gq_library()
-    except SpeculantError:  # no kernels at all (no compiler): the float32 load that was already announced
-        lib = None
-    if lib is not None and len(t.shape) == 2:
-        qtype = int(t.tensor_type)
-        k, rows = t.shape
-        block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0] if qtype in _KNOWN_TYPES else 0
-        if block and k % block == 0 and lib.gq_supported(qtype):
+    if len(t.shape) == 2:
+        try:
+            lib = native.gq_library()
+        except SpeculantError:  # no kernels at all (no compiler): the float32 load that was already announced
+            lib = None
+        qtype, (k, rows) = int(t.tensor_type), t.shape
+        if lib is not None and lib.gq_supported(qtype) and k % GGML_QUANT_SIZES[t.tensor_type][0] == 0:
             data = file.raw(t).reshape(rows, row_bytes(qtype, k))
             out = np.empty((rows, k), np.float32)
             if lib.gq_dequant_range(qtype, data.ctypes.data, data.shape[1], k, 0, rows, out.ctypes.data, 0,
                                     torch.get_num_threads()) == 0:
                 return out
     return file.dequantize(t)
-
-
-_KNOWN_TYPES = frozenset(int(t) for t in GGMLQuantizationType)
 
 
 def row_bytes(qtype: int, k: int) -> int:
